@@ -1,0 +1,371 @@
+"""DFlash inside ``target.generate(..., assistant_model=draft)``: the candidate generator and its dispatch.
+
+This file travels as remote code inside every saved drafter, so it imports only ``torch`` and ``transformers``.
+
+One speculative round, in the order transformers' assisted-decoding loop runs it:
+
+1. **feed context** (`DFlashCandidateGenerator._collect_context`): the target features of exactly the positions
+   committed since the last round (the whole prompt after prefill; anchor + accepted drafts afterwards);
+2. **draft** (`DFlashCandidateGenerator._draft`): embed ``[last token, mask x (B-1)]`` with the target's embedding, run
+   the drafter once, take the argmax of the target's ``lm_head`` on rows ``1..B-1``;
+3. **verify** and 4. **accept**: transformers' loop runs the target on the block and keeps the longest matching prefix
+   plus the target's own next token. Greedy: first mismatch. Sampling: the generator returns no draft distribution,
+   so the loop samples the target at every position and accepts drafts while they equal the sample -- rejection
+   sampling with a one-hot draft distribution, exact target sampling with the highest acceptance a greedy draft gets.
+
+Dispatch: `install_dflash_dispatch` wraps ``GenerationMixin._get_candidate_generator`` (and the mode validation
+before it) so that a DFlash drafter passed as ``assistant_model`` gets `DFlashCandidateGenerator`. Every other
+assistant, and ``speculation_type="dflash"`` (transformers' own DFlash generator), go to transformers unchanged.
+"""
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"
+
+
+@dataclass
+class DFlashStats:
+    """Per-call acceptance statistics; a fresh one lands on ``draft.last_stats`` at every ``generate`` call.
+
+    ``acceptance_lengths[r]`` is the number of tokens committed by verify round ``r`` (accepted drafts + the target's
+    own token), i.e. tau for that round; ``proposed_lengths[r]`` is how many drafts the round proposed.
+    """
+
+    block_size: int
+    acceptance_lengths: list[int] = field(default_factory=list)
+    proposed_lengths: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, committed: int) -> None:
+        self.proposed_lengths.append(proposed)
+        self.acceptance_lengths.append(committed)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: mean tokens committed per verify round (0.0 before any round)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def histogram(self) -> list[int]:
+        """``histogram[n]`` = rounds that committed ``n`` tokens, for ``n`` in ``0..block_size``."""
+        counts = [0] * (self.block_size + 1)
+        for length in self.acceptance_lengths:
+            counts[length] += 1
+        return counts
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Fraction of rounds that accepted draft ``k`` (``k = 1..B-1``) among rounds that proposed it."""
+        rates = []
+        for k in range(1, self.block_size):
+            offered = [a for a, p in zip(self.acceptance_lengths, self.proposed_lengths) if p >= k]
+            rates.append(sum(a - 1 >= k for a in offered) / len(offered) if offered else 0.0)
+        return rates
+
+
+def check_drafter_fits_target(drafter, target) -> None:
+    """Raise a `ValueError` naming the fix when ``drafter`` cannot serve ``target``."""
+    config, target_config = drafter.config, target.config.get_text_config()
+    name = type(target).__name__
+    if config.hidden_size != target_config.hidden_size:
+        raise ValueError(
+            f"The drafter's hidden_size {config.hidden_size} differs from the target's ({name}: "
+            f"{target_config.hidden_size}). A DFlash drafter reads the target's hidden states and borrows its "
+            "embedding and lm_head, so it must be trained for this target: load the matching drafter."
+        )
+    if config.vocab_size != target_config.vocab_size:
+        raise ValueError(
+            f"The drafter's vocab_size {config.vocab_size} differs from the target's ({target_config.vocab_size}); "
+            "the drafter uses the target's vocabulary: load the drafter trained for this target."
+        )
+    num_layers = target_config.num_hidden_layers
+    if not config.target_layer_ids or max(config.target_layer_ids) >= num_layers:
+        raise ValueError(
+            f"The drafter reads target layers {config.target_layer_ids}, but the target has {num_layers} layers "
+            f"(valid ids 0..{num_layers - 1}); load the drafter trained for this target."
+        )
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < target_config.vocab_size:
+        raise ValueError(
+            f"mask_token_id {config.mask_token_id} is not a row of the target's vocabulary (size "
+            f"{target_config.vocab_size}); set `dflash_config.mask_token_id` to a reserved or unused token id."
+        )
+    if config.num_target_layers not in (None, num_layers):
+        logger.warning(
+            "The drafter was trained for a %d-layer target, this target has %d layers: expect low acceptance.",
+            config.num_target_layers,
+            num_layers,
+        )
+
+
+class DFlashCandidateGenerator(CandidateGenerator):
+    """Proposes a whole block of drafts per round from one drafter forward (see the module docstring).
+
+    The drafter's cache holds the keys/values of every committed position before the current anchor, fed in position
+    order. Which positions are new is derived from positions, not from counters: after a target forward that started at
+    position ``verified_from``, the committed positions are ``[verified_from, len(input_ids) - 1)``; the last token
+    of ``input_ids`` is the next anchor, not yet seen by the target.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, drafter, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
+        check_drafter_fits_target(drafter, target)
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"DFlash through generate() serves one sequence at a time, got a batch of {input_ids.shape[0]}: "
+                "call generate once per prompt."
+            )
+        past = model_kwargs.get("past_key_values")
+        if past is not None and past.get_seq_length() > 0:
+            raise ValueError(
+                "DFlash needs the target to prefill the whole prompt (the drafter reads its hidden states), but "
+                "`past_key_values` already holds tokens: pass a fresh cache or none."
+            )
+        mask = model_kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError("DFlash through generate() does not take padded input: pass the prompt unpadded.")
+
+        self.drafter = drafter
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.block_size = drafter.config.block_size
+        self.max_length = generation_config.max_length
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        # Ask the verify forward for just the layers we read; a user asking for all hidden states gets all of them
+        # (a partial list there breaks transformers' per-token output splitting).
+        capture = True if generation_config.output_hidden_states else [i + 1 for i in self.layer_ids]
+        self.model_kwargs_overrides = {"output_hidden_states": capture}
+        self.mask_ids = torch.full((1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long)
+        self.stop_strings = (
+            StopStringCriteria(target_tokenizer, generation_config.stop_strings)
+            if generation_config.stop_strings and target_tokenizer is not None
+            else None
+        )
+        self.cache = DynamicCache()
+        self.pending_context: list[torch.Tensor] = []
+        self.verified_from = 0
+        self.round_proposed: int | None = None  # None while the target prefills
+        self.stats = drafter.last_stats = DFlashStats(self.block_size)
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
+        """``input_ids [1, n]`` -> ``([1, n + k], None)`` with ``k <= B - 1`` drafts; round 1 proposes nothing."""
+        if is_first_iteration:
+            return input_ids, None
+        self._collect_context(input_ids, model_outputs)
+        anchor = input_ids.shape[1] - 1
+        self.verified_from = anchor
+        # Never propose past max_length: the target's own token after the drafts must fit too.
+        num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        proposals = self._draft(input_ids, num_drafts) if num_drafts > 0 else input_ids[:, :0]
+        proposals = self._stop_before_stop_strings(input_ids, proposals)
+        self.round_proposed = proposals.shape[1]
+        return torch.cat([input_ids, proposals], dim=-1), None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        if self.round_proposed is not None:
+            self.stats.record(self.round_proposed, int(num_matches) + 1)
+
+    def _collect_context(self, input_ids, model_outputs) -> None:
+        """Feed context: target features of positions ``[verified_from, n - 1)``, all committed, to the drafter."""
+        committed = input_ids.shape[1] - 1
+        features = extract_context_feature(model_outputs.hidden_states, self.layer_ids)
+        self.pending_context.append(features[:, : committed - self.verified_from])
+
+    def _draft(self, input_ids, num_drafts) -> torch.LongTensor:
+        """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` -> ``[1, num_drafts]`` argmax proposals."""
+        device = self.drafter.device
+        context = torch.cat(self.pending_context, dim=1).to(device)
+        self.pending_context = []
+        anchor = input_ids.shape[1] - 1
+        position_ids = torch.arange(self.cache.get_seq_length(), anchor + self.block_size, device=device)[None]
+        block_ids = torch.cat([input_ids[:, -1:], self.mask_ids.to(input_ids.device)], dim=-1)
+        noise = self.embed_tokens(block_ids).to(device=device, dtype=self.drafter.dtype)
+        with torch.no_grad():
+            hidden = self.drafter(
+                noise_embedding=noise,
+                target_hidden=context,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+            ).last_hidden_state
+            rows = hidden[:, 1 : 1 + num_drafts].to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype)
+            return self.lm_head(rows).argmax(dim=-1).to(input_ids.device)
+
+    def _stop_before_stop_strings(self, input_ids, proposals):
+        """Keep drafts short of the first one that completes a stop string.
+
+        transformers checks stopping criteria only after a round, so an accepted draft that completes a stop string
+        mid-block would let tokens past it through. Cutting the proposals just before it keeps every earlier stop at
+        the end of a round; the target's own token then completes the stop string exactly where plain decoding stops.
+        """
+        if self.stop_strings is None:
+            return proposals
+        for k in range(1, proposals.shape[1] + 1):
+            if self.stop_strings(torch.cat([input_ids, proposals[:, :k]], dim=-1), None).any():
+                return proposals[:, : k - 1]
+        return proposals
+
+
+def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
+    """Concatenate the target features the drafter reads: ``[b, T, H]`` each -> ``[b, T, F * H]``.
+
+    ``hidden_states`` is the target's ``output_hidden_states`` tuple, whose entry 0 is the embedding output; layer id
+    ``i`` therefore reads ``hidden_states[i + 1]``, the output of decoder layer ``i``.
+    """
+    offset = 1
+    return torch.cat([hidden_states[layer_id + offset] for layer_id in layer_ids], dim=-1)
+
+
+class DFlashDrafterMixin:
+    """What makes a module a DFlash drafter for `generate` and for z-lab's ``spec_generate``."""
+
+    _is_dflash_drafter = True
+    last_stats: DFlashStats | None = None
+
+    def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
+        return DFlashCandidateGenerator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer)
+
+    @torch.no_grad()
+    def spec_generate(self, target, input_ids, max_new_tokens=2048, stop_token_ids=None, temperature=0.0, **kwargs):
+        """z-lab's API: speculative generation of ``input_ids [1, n]`` -> ``[1, n + m]`` with the same round logic.
+
+        ``temperature < 1e-5`` is greedy; otherwise plain temperature sampling (no top-k/top-p), as the reference.
+        Generation ends after the first token in ``stop_token_ids`` (inclusive).
+        """
+        sampling = temperature >= 1e-5
+        options = dict(max_new_tokens=max_new_tokens, do_sample=sampling, assistant_model=self)
+        if sampling:
+            options.update(temperature=temperature, top_k=0, top_p=1.0)
+        if stop_token_ids is not None:
+            options["eos_token_id"] = list(stop_token_ids)
+            options.setdefault("pad_token_id", list(stop_token_ids)[0])
+        return target.generate(input_ids, **(options | kwargs))
+
+
+def is_dflash_drafter(model) -> bool:
+    return bool(getattr(model, "_is_dflash_drafter", False))
+
+
+def _raise_if_unloaded_drafter(model) -> None:
+    """A z-lab config loaded without ``trust_remote_code`` silently becomes a plain Qwen3 model: say so."""
+    if model is not None and not is_dflash_drafter(model) and getattr(model.config, "dflash_config", None):
+        raise ValueError(
+            f"The assistant is a plain {type(model).__name__} built from a DFlash drafter config: it was loaded without "
+            "the DFlash code. Load it with `AutoModel.from_pretrained(path, trust_remote_code=True)` or "
+            "`dflash_hf.DFlashDraftModel.from_pretrained(path)`."
+        )
+
+
+_EXPECTED_PARAMETERS = ("generation_config", "input_ids", "logits_processor", "model_kwargs", "assistant_model")
+
+
+def _check_transformers_internals() -> None:
+    """The dispatch leans on private generation internals: fail loudly if they moved."""
+    parameters = inspect.signature(GenerationMixin._get_candidate_generator).parameters
+    missing = [p for p in _EXPECTED_PARAMETERS if p not in parameters]
+    if missing or not hasattr(GenerationMixin, "_validate_generation_mode") or not hasattr(
+        CandidateGenerator, "update_candidate_strategy"
+    ):
+        raise RuntimeError(
+            f"dflash-hf supports transformers {SUPPORTED_TRANSFORMERS}, but transformers {transformers.__version__} "
+            f"changed the assisted-generation internals it hooks into (missing: {missing or 'hooks'}). "
+            f"Install a supported version: pip install 'transformers{SUPPORTED_TRANSFORMERS}'."
+        )
+
+
+def install_dflash_dispatch() -> None:
+    """Make ``generate(assistant_model=drafter)`` pick `DFlashCandidateGenerator` for DFlash drafters. Idempotent.
+
+    Wraps two private methods of ``GenerationMixin`` once per process (whichever copy of this file comes first:
+    the package or a checkpoint's remote code; each drafter builds its own generator through
+    ``make_candidate_generator``):
+
+    * ``_validate_generation_mode``: checks the drafter against the target with errors that name the fix, before
+      transformers' generic vocabulary check;
+    * ``_get_candidate_generator``: returns the drafter's generator. Other assistants, prompt lookup, early exit,
+      MTP and an explicit ``speculation_type="dflash"`` (transformers' built-in generator) are passed through.
+    """
+    if getattr(GenerationMixin._get_candidate_generator, "_dflash_dispatch", False):
+        return
+    _check_transformers_internals()
+    original_validate = GenerationMixin._validate_generation_mode
+    original_get = GenerationMixin._get_candidate_generator
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        assistant = generation_mode_kwargs.get("assistant_model")
+        _raise_if_unloaded_drafter(assistant)
+        if is_dflash_drafter(assistant):
+            if generation_config.num_beams > 1:
+                raise ValueError("DFlash drafts one sequence: beam search is not supported; use num_beams=1.")
+            if generation_config.output_attentions and self.config._attn_implementation != "eager":
+                raise ValueError(
+                    "output_attentions=True with speculative decoding needs the target loaded with "
+                    "attn_implementation='eager'."
+                )
+            check_drafter_fits_target(assistant, self)
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    def _get_candidate_generator(
+        self,
+        generation_config,
+        input_ids,
+        inputs_tensor,
+        logits_processor,
+        model_kwargs,
+        assistant_model=None,
+        target_tokenizer=None,
+        assistant_tokenizer=None,
+    ):
+        other_mode = (
+            generation_config.speculation_type == "dflash"
+            or generation_config.prompt_lookup_num_tokens is not None
+            or generation_config.assistant_early_exit is not None
+            or getattr(generation_config, "use_mtp", False)
+        )
+        if is_dflash_drafter(assistant_model) and not other_mode:
+            return assistant_model.make_candidate_generator(
+                target=self,
+                generation_config=generation_config,
+                input_ids=input_ids,
+                model_kwargs=model_kwargs,
+                target_tokenizer=target_tokenizer,
+            )
+        return original_get(
+            self,
+            generation_config=generation_config,
+            input_ids=input_ids,
+            inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor,
+            model_kwargs=model_kwargs,
+            assistant_model=assistant_model,
+            target_tokenizer=target_tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+        )
+
+    _get_candidate_generator._dflash_dispatch = True
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+
+
+__all__ = [
+    "DFlashCandidateGenerator",
+    "DFlashDrafterMixin",
+    "DFlashStats",
+    "check_drafter_fits_target",
+    "extract_context_feature",
+    "install_dflash_dispatch",
+]

@@ -1,0 +1,51 @@
+"""Pinned proposals for loop tests, in the spirit of transformers' pinned-head candidate-generator tests.
+
+The real drafter still runs every round (its proposals are recorded, so context feeding is exercised), but what is
+proposed to the target is the target's own greedy continuation, corrupted at a chosen slot: the round then accepts
+exactly that many drafts. This forces rounds with 0, partial and full acceptance.
+"""
+
+import types
+
+import torch
+
+from dflash_hf import DFlashCandidateGenerator
+
+
+class PinnedGenerator(DFlashCandidateGenerator):
+    def __init__(self, *args, continuation, cuts, vocab_size, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.continuation, self.cuts, self.vocab_size = continuation, cuts, vocab_size
+        self.real_proposals: list[torch.Tensor] = []
+
+    def _draft(self, input_ids, num_drafts):
+        self.real_proposals.append(super()._draft(input_ids, num_drafts))
+        start = input_ids.shape[1]
+        pinned = self.continuation[:, start : start + num_drafts].clone()
+        cut = self.cuts(len(self.real_proposals) - 1, pinned.shape[1])
+        if cut < pinned.shape[1]:
+            pinned[:, cut] = (pinned[:, cut] + 1) % self.vocab_size
+        return pinned
+
+
+def pin(drafter, continuation, cuts=lambda round_index, n: n):
+    """Make ``drafter`` propose ``continuation`` (``[1, total]``) corrupted at slot ``cuts(round, n)`` (n = none)."""
+    generators = []
+
+    def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
+        generator = PinnedGenerator(
+            self,
+            target,
+            generation_config,
+            input_ids,
+            model_kwargs,
+            target_tokenizer,
+            continuation=continuation,
+            cuts=cuts,
+            vocab_size=target.config.vocab_size,
+        )
+        generators.append(generator)
+        return generator
+
+    drafter.make_candidate_generator = types.MethodType(make_candidate_generator, drafter)
+    return generators

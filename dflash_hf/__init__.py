@@ -1,0 +1,1 @@
+"""DFlash block-diffusion drafters for lossless speculative decoding with Hugging Face transformers."""

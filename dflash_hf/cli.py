@@ -38,7 +38,39 @@ def _run_prepare(args) -> None:
             print(f"{name}: {path}")
 
 
-_SUBCOMMANDS = {"prepare": (_add_prepare_parser, _run_prepare)}
+DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+
+
+def _add_generate_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate with DFlash, streaming the answer; --compare also runs plain greedy",
+        description="Stream an answer as the target commits it, then print tokens/s, the mean acceptance length "
+        "(tau) and the acceptance histogram. Greedy unless --temperature > 0.",
+    )
+    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt (default: a GSM8K question)")
+    p.add_argument("--target", default="default", help="target model folder, or 'default' (SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default="default", help="drafter folder, 'default' (shipped drafter) or 'none'")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the target")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
+    p.add_argument("--compare", action="store_true", help="also run plain greedy and compare speed and tokens")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; oversubscription is slow)")
+
+
+def _run_generate(args) -> None:
+    from .demo import run_generate
+
+    if not args.prompt.strip():
+        raise DFlashUserError("the prompt is empty: pass some text, e.g. dflash-hf generate 'What is 2+2?'")
+    run_generate(args)
+
+
+_SUBCOMMANDS = {
+    "prepare": (_add_prepare_parser, _run_prepare),
+    "generate": (_add_generate_parser, _run_generate),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

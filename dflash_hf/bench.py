@@ -375,6 +375,28 @@ def measure_verify_curve(target, ks=VERIFY_KS, context_len=256, repeats=7, seed=
             "r": {k: medians[k] / medians[1] for k in ks}}
 
 
+def run_suite(target, prompts: list[BenchPrompt], drafter=None, methods=ALL_METHODS, max_new_tokens=128, repeats=3,
+              temperature=0.0, seed=0, context_len=256, verify_repeats=7, config=None, progress=True) -> dict:
+    """The whole benchmark: interleaved runs, then r(k) for ``k`` in `VERIFY_KS` and every method's block.
+
+    Returns ``{"config", "machine", "verify_curve", "runs", "summary"}``, ready for `bench_report.write_report`.
+    """
+    from .bench_report import summarize
+
+    method_list = build_methods(drafter, methods, temperature)
+    machine = machine_info(target.dtype)  # load average before the run
+    runs = run_benchmark(target, prompts, method_list, drafter, max_new_tokens, repeats, temperature, seed,
+                         progress=progress)
+    ks = sorted(set(VERIFY_KS) | {m.block for m in method_list})
+    curve = measure_verify_curve(target, ks, context_len, verify_repeats, seed)
+    machine["loadavg_after"] = machine_info(target.dtype)["loadavg"]
+    config = dict(config or {}, methods=[m.name for m in method_list], max_new_tokens=max_new_tokens,
+                  repeats=repeats, temperature=temperature, seed=seed, num_prompts=len(prompts),
+                  datasets=list(dict.fromkeys(p.dataset for p in prompts)))
+    return {"config": config, "machine": machine, "verify_curve": curve, "runs": runs,
+            "summary": summarize(runs, curve)}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Machine
 # ---------------------------------------------------------------------------------------------------------------

@@ -311,13 +311,13 @@ def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], dra
             for r in range(repeats):
                 shift = (p * repeats + r) % len(methods)
                 for slot, method in enumerate(methods[shift:] + methods[:shift]):
+                    bar.set_postfix_str(f"{prompt.dataset}/{method.name}")
                     record, output = run_once(target, method, prompt.input_ids, max_new_tokens, profiler,
                                               temperature, seed)
                     diff = first_difference(output, reference, prompt.input_ids.shape[1])
                     record.update(dataset=prompt.dataset, prompt_id=prompt.id, repeat=r, slot=slot,
                                   block=method.block, identical=diff is None, first_diff=diff)
                     records.append(record)
-                    bar.set_postfix_str(f"{prompt.dataset}/{method.name}")
                     bar.update()
         bar.close()
     finally:
@@ -349,7 +349,9 @@ def measure_verify_curve(target, ks=VERIFY_KS, context_len=256, repeats=7, seed=
     """Time target forwards of ``k`` new tokens on a cached ``context_len``-token context, ``k`` interleaved.
 
     Returns ``{"context_len", "t_s": {k: [times]}, "median_s": {k: s}, "r": {k: median(k) / median(1)}}``.
-    Each forward asks for ``k`` logits, as a verify round does; the cache is cropped back after each one.
+    Each forward passes an attention mask and asks for ``k`` logits, as a verify round in ``generate`` does; the
+    cache is cropped back after each one. Greedy ``generate`` also returns the drafter's hidden-state layers in
+    DFlash verify rounds; that extra is not part of this curve (compare ``r_in_run`` in the summary).
     """
     ks = sorted(set(ks) | {1})
     vocab = target.config.get_text_config().vocab_size
@@ -365,6 +367,7 @@ def measure_verify_curve(target, ks=VERIFY_KS, context_len=256, repeats=7, seed=
                 positions = torch.arange(context_len, context_len + k)
                 t0 = time.perf_counter()
                 target(input_ids=new, past_key_values=cache, use_cache=True, logits_to_keep=k,
+                       attention_mask=torch.ones(1, context_len + k, dtype=torch.long),
                        cache_position=positions, position_ids=positions[None])
                 elapsed = time.perf_counter() - t0
                 cache.crop(-k)

@@ -1,8 +1,9 @@
 """Benchmark report: per-method summaries, the cost model, JSON, a Markdown table and PNG plots.
 
 Cost model (docs: landscape §5.1): a round costs ``r(k) + c + o`` decode steps and commits tau tokens, so
-``S = tau / (r(B) + c + o)``. ``r`` comes from `dflash_hf.bench.measure_verify_curve`; ``c`` (draft) and ``o``
-(context + glue) are each method's measured per-round phase times over ``t(1)``, the one-token forward time.
+``S = tau / (r(k) + c + o)``. ``r`` comes from `dflash_hf.bench.measure_verify_curve`; ``c`` (draft) and ``o``
+(context + glue) are each method's per-round phase times over ``t(1)``, greedy's verify time per round in the same
+interleaved runs.
 """
 
 import json
@@ -14,7 +15,7 @@ from .generation_dflash import DFlashStats
 PHASES = ("draft", "context", "verify", "glue")
 
 
-def interpolate_r(r: dict, k: int) -> float | None:
+def interpolate_r(r: dict, k: float) -> float | None:
     """``r(k)`` from the measured curve, linear between measured ``k``; None outside it."""
     points = sorted((int(key), value) for key, value in r.items())
     for (k0, r0), (k1, r1) in zip(points, points[1:]):
@@ -30,35 +31,39 @@ def summarize(records: list[dict], verify_curve: dict | None = None) -> list[dic
     rows = []
     for dataset in datasets:
         subset = [r for r in records if dataset in ("all", r["dataset"])]
-        greedy = [r["decode_tok_s"] for r in subset if r["method"] == "greedy"]
-        for method in methods:
-            runs = [r for r in subset if r["method"] == method]
-            if runs:
-                rows.append(_summarize_method(dataset, method, runs, greedy, verify_curve))
+        by_method = [_summarize_method(dataset, m, [r for r in subset if r["method"] == m]) for m in methods]
+        by_method = [row for row in by_method if row is not None]
+        greedy = next((row for row in by_method if row["method"] == "greedy"), None)
+        for row in by_method:
+            row["speedup"] = row["decode_tok_s"] / greedy["decode_tok_s"] if greedy else None
+            if verify_curve is not None:
+                row.update(_cost_model(row, greedy, verify_curve))
+        rows += by_method
     return rows
 
 
-def _summarize_method(dataset, method, runs, greedy_tok_s, verify_curve) -> dict:
+def _summarize_method(dataset, method, runs) -> dict | None:
+    if not runs:
+        return None
     block = runs[0]["block"]
     stats = DFlashStats(block)
     for run in runs:
         stats.acceptance_lengths += run["acceptance_lengths"]
         stats.proposed_lengths += run["proposed_lengths"]
-    tok_s = statistics.median(r["decode_tok_s"] for r in runs)
     per_round = {p: statistics.median(r["phases_s"][p] / max(len(r["acceptance_lengths"]), 1) for r in runs)
                  for p in PHASES}
     identical, first_diffs = _identity(runs)
-    row = {
+    return {
         "dataset": dataset,
         "method": method,
         "runs": len(runs),
         "block": block,
-        "decode_tok_s": tok_s,
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
         "decode_tok_s_min": min(r["decode_tok_s"] for r in runs),
         "decode_tok_s_max": max(r["decode_tok_s"] for r in runs),
         "ttft_s": statistics.median(r["ttft_s"] for r in runs),
-        "speedup": tok_s / statistics.median(greedy_tok_s) if greedy_tok_s else None,
         "tau": stats.mean_acceptance_length if stats.acceptance_lengths else 1.0,
+        "verified_per_round": 1 + statistics.mean(stats.proposed_lengths) if stats.proposed_lengths else 1.0,
         "histogram": stats.histogram,
         "per_position_acceptance": stats.per_position_acceptance,
         "phase_ms_per_round": {p: 1e3 * t for p, t in per_round.items()},
@@ -66,9 +71,6 @@ def _summarize_method(dataset, method, runs, greedy_tok_s, verify_curve) -> dict
         "num_prompts": identical + len(first_diffs),
         "first_diffs": first_diffs,
     }
-    if verify_curve is not None:
-        row.update(_cost_model(row["tau"], block, per_round, verify_curve))
-    return row
 
 
 def _identity(runs) -> tuple[int, list[dict]]:
@@ -81,17 +83,24 @@ def _identity(runs) -> tuple[int, list[dict]]:
     return len(by_prompt) - len(diffs), diffs
 
 
-def _cost_model(tau, block, per_round, verify_curve) -> dict:
-    """``c``, ``o``, ``r(B)``; predicted ``tau/(r(B)+c)``, with overhead ``tau/(r(B)+c+o)``, ceiling ``B/(r(B)+c)``."""
-    t1 = _by_int(verify_curve["median_s"], 1)
-    r_b = interpolate_r(verify_curve["r"], block)
-    c = per_round["draft"] / t1
-    o = (per_round["context"] + per_round["glue"]) / t1
-    model = {"c": c, "o": o, "r_block": r_b, "predicted_speedup": None, "predicted_speedup_with_o": None,
-             "ceiling": None}
-    if r_b is not None and block > 1:
-        model.update(predicted_speedup=tau / (r_b + c), predicted_speedup_with_o=tau / (r_b + c + o),
-                     ceiling=block / (r_b + c))
+def _cost_model(row, greedy, verify_curve) -> dict:
+    """``c``, ``o`` and ``r``; predicted speedups and the ceiling (see the module docstring).
+
+    The unit ``t(1)`` is greedy's verify time per round in the same runs (interleaved, at the real context
+    lengths), else the curve's one-token time. ``r_in_run`` is this method's verify time per round in that unit;
+    the prediction uses the curve at the tokens actually verified per round (``1 + mean proposals``), so prompt
+    lookup's short rounds are not charged ``r(B)``; the ceiling assumes every round verifies and commits ``B``.
+    """
+    ms = row["phase_ms_per_round"]
+    t1_ms = greedy["phase_ms_per_round"]["verify"] if greedy else 1e3 * _by_int(verify_curve["median_s"], 1)
+    c, o = ms["draft"] / t1_ms, (ms["context"] + ms["glue"]) / t1_ms
+    r_k = interpolate_r(verify_curve["r"], row["verified_per_round"])
+    r_b = interpolate_r(verify_curve["r"], row["block"])
+    model = {"t1_ms": t1_ms, "c": c, "o": o, "r_in_run": ms["verify"] / t1_ms, "r_block": r_b,
+             "predicted_speedup": None, "predicted_speedup_with_o": None, "ceiling": None}
+    if row["block"] > 1 and r_k is not None and r_b is not None:
+        model.update(predicted_speedup=row["tau"] / (r_k + c), predicted_speedup_with_o=row["tau"] / (r_k + c + o),
+                     ceiling=row["block"] / (r_b + c))
     return model
 
 
@@ -115,15 +124,15 @@ def render_markdown(result: dict) -> str:
         f"{config['repeats']} repeat(s), temperature {config['temperature']}.",
         "",
         "| dataset | method | decode tok/s | TTFT ms | speedup | tau | identical | draft / context / verify / glue "
-        "ms per round | predicted S | with o | ceiling |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "ms per round | r in run | predicted S | with o | ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["summary"]:
         phases = " / ".join(f"{row['phase_ms_per_round'][p]:.1f}" for p in PHASES)
         lines.append(
             f"| {row['dataset']} | {row['method']} | {row['decode_tok_s']:.1f} | {1e3 * row['ttft_s']:.0f} | "
-            f"{_fmt(row['speedup'], '.2f', '×')} | {row['tau']:.2f} | {row['identical_prompts']}/{row['num_prompts']} | "
-            f"{phases} | {_fmt(row.get('predicted_speedup'), '.2f', '×')} | "
+            f"{_fmt(row['speedup'], '.2f', '×')} | {row['tau']:.2f} | "
+            f"{row['identical_prompts']}/{row['num_prompts']} | {phases} | {_fmt(row.get('r_in_run'))} | {_fmt(row.get('predicted_speedup'), '.2f', '×')} | "
             f"{_fmt(row.get('predicted_speedup_with_o'), '.2f', '×')} | {_fmt(row.get('ceiling'), '.2f', '×')} |"
         )
     curve = result.get("verify_curve")

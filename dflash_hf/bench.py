@@ -162,10 +162,9 @@ class PhaseProfiler:
             self._hook(drafter, self._draft_start, self._draft_end)
         self._draft_t0: float | None = None
         self._verify_t0 = 0.0
-        original = type(target)._get_candidate_generator
 
-        def _get_candidate_generator(model, *args, **kwargs):
-            return self._wrap_generator(original(model, *args, **kwargs))
+        def _get_candidate_generator(model, *args, **kwargs):  # the class's method, dispatch included, at call time
+            return self._wrap_generator(type(model)._get_candidate_generator(model, *args, **kwargs))
 
         target._get_candidate_generator = types.MethodType(_get_candidate_generator, target)
 
@@ -350,8 +349,8 @@ def measure_verify_curve(target, ks=VERIFY_KS, context_len=256, repeats=7, seed=
 
     Returns ``{"context_len", "t_s": {k: [times]}, "median_s": {k: s}, "r": {k: median(k) / median(1)}}``.
     Each forward passes an attention mask and asks for ``k`` logits, as a verify round in ``generate`` does; the
-    cache is cropped back after each one. Greedy ``generate`` also returns the drafter's hidden-state layers in
-    DFlash verify rounds; that extra is not part of this curve (compare ``r_in_run`` in the summary).
+    cache is cropped back after each one. DFlash verify rounds also return the target's hidden states at the
+    drafter's layers; that extra is not part of this curve (compare ``r_in_run`` in the summary).
     """
     ks = sorted(set(ks) | {1})
     vocab = target.config.get_text_config().vocab_size

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.generation import GenerationMixin
 from transformers.generation.streamers import BaseStreamer
 
 from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterMixin
@@ -180,7 +179,7 @@ class PhaseProfiler:
         self._in_verify = False
 
     def _draft_start(self):
-        if not self._in_verify and self._draft_t0 is None:  # lm_head inside the drafter's window counts once
+        if not self._in_verify and self._draft_t0 is None:  # nested draft modules count once
             self._draft_t0 = time.perf_counter()
 
     def _draft_end(self):

@@ -1,0 +1,429 @@
+"""Benchmark harness: plain greedy, prompt lookup, DFlash (dflash-hf and transformers' built-in) and an oracle,
+interleaved prompt by prompt on one target, with a per-round phase budget and the CPU cost model.
+
+Protocol (``docs``: landscape §5.3): every method sees the same target, prompts, dtype, threads and
+``max_new_tokens``; for each prompt an untimed plain run gives the reference output, then every repeat runs all
+methods in a rotated order. Each run records wall time, time to first token (streamer), new tokens, the rounds'
+proposed/committed lengths and the time spent in each round phase:
+
+* **verify**: target forwards after the prefill (forward pre/post hooks on the target);
+* **draft**: drafter forwards plus the target ``lm_head`` called outside a target forward;
+* **context**: the rest of the candidate generator's ``get_candidates`` (feeding target features, lookups);
+* **glue**: the rest of the decode window (acceptance, cache crops, stopping criteria, streamer).
+
+The report side (summary, Markdown, plots) lives in `dflash_hf.bench_report`.
+"""
+
+import os
+import platform
+import statistics
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterMixin
+
+ALL_METHODS = ("greedy", "pld3", "pld10", "dflash", "dflash_builtin", "oracle")
+VERIFY_KS = (1, 2, 4, 8, 16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Oracle: proposals are the reference continuation, so every draft is accepted and only verify + overhead is paid
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class OracleCandidateGenerator(DFlashCandidateGenerator):
+    """Proposes the true continuation instead of running the drafter: tau = B, cost = verify + overhead."""
+
+    def __init__(self, *args, reference: torch.LongTensor, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reference = reference
+
+    def _draft(self, input_ids, num_drafts) -> torch.LongTensor:
+        self.pending_context = []  # the features are collected as usual, but nothing consumes them
+        start = input_ids.shape[1]
+        return self.reference[:, start : start + num_drafts].to(input_ids.device)
+
+
+class OracleDrafter(DFlashDrafterMixin, nn.Module):
+    """A weightless stand-in for ``drafter`` whose generator proposes ``reference`` (``[1, prompt + new]``)."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.config = drafter.config
+        self.reference: torch.LongTensor | None = None
+
+    def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
+        return OracleCandidateGenerator(
+            self, target, generation_config, input_ids, model_kwargs, target_tokenizer, reference=self.reference
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Methods
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Method:
+    """One decoding method: extra ``generate`` kwargs and the most tokens one round can commit (``block``)."""
+
+    name: str
+    generate_kwargs: dict = field(default_factory=dict)
+    block: int = 1
+
+
+def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0) -> list[Method]:
+    """The methods in ``names`` (see `ALL_METHODS`); the DFlash ones need ``drafter``; no oracle when sampling."""
+    methods = []
+    for name in names:
+        if name == "greedy":
+            methods.append(Method(name))
+        elif name.startswith("pld"):
+            num = int(name[3:])
+            methods.append(Method(name, {"prompt_lookup_num_tokens": num}, num + 1))
+        elif name in ("dflash", "dflash_builtin", "oracle"):
+            if drafter is None:
+                raise ValueError(f"method {name!r} needs a DFlash drafter")
+            if name == "oracle" and temperature > 0:
+                continue  # the greedy continuation is no oracle for a sampled one
+            kwargs = {
+                "dflash": {"assistant_model": drafter},
+                "dflash_builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
+                "oracle": {"assistant_model": OracleDrafter(drafter)},
+            }[name]
+            methods.append(Method(name, kwargs, drafter.config.block_size))
+        else:
+            raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
+    return methods
+
+
+def sampling_kwargs(temperature: float) -> dict:
+    """Greedy at ``temperature == 0``; otherwise plain temperature sampling (no top-k / top-p)."""
+    if temperature <= 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Instrumentation of one generate call
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TimingStreamer(BaseStreamer):
+    """Records when the first generated tokens arrive (the first ``put`` is the prompt) and how many they were."""
+
+    def __init__(self):
+        self.puts = 0
+        self.first_time: float | None = None
+        self.first_tokens = 0
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.first_time = time.perf_counter()
+            self.first_tokens = value.numel()
+
+    def end(self):
+        pass
+
+
+@dataclass
+class RunTrace:
+    """What the hooks saw during one ``generate`` call (times in seconds)."""
+
+    forwards: list[float] = field(default_factory=list)  # target forward durations; [0] is the prefill
+    draft_s: float = 0.0
+    candidates_s: float = 0.0
+    proposed: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+
+
+class PhaseProfiler:
+    """Hooks on the target (forward, ``lm_head``) and the drafter, and wrappers on the candidate generator.
+
+    Installed once for a whole benchmark so that every method pays the same (microsecond) hook cost. The
+    candidate generator is reached through an instance attribute shadowing ``target._get_candidate_generator``.
+    """
+
+    def __init__(self, target, drafter=None):
+        self.target, self.trace = target, RunTrace()
+        self._in_verify = False
+        self._handles = []
+        self._hook(target, self._verify_start, self._verify_end)
+        self._hook(target.get_output_embeddings(), self._draft_start, self._draft_end)
+        if drafter is not None:
+            self._hook(drafter, self._draft_start, self._draft_end)
+        self._draft_t0: float | None = None
+        self._verify_t0 = 0.0
+
+        def _get_candidate_generator(model, *args, **kwargs):  # the class's method, dispatch included, at call time
+            return self._wrap_generator(type(model)._get_candidate_generator(model, *args, **kwargs))
+
+        target._get_candidate_generator = types.MethodType(_get_candidate_generator, target)
+
+    def _hook(self, module, start, end):
+        self._handles.append(module.register_forward_pre_hook(lambda *_: start()))
+        self._handles.append(module.register_forward_hook(lambda *_: end()))
+
+    def _verify_start(self):
+        self._in_verify, self._verify_t0 = True, time.perf_counter()
+
+    def _verify_end(self):
+        self.trace.forwards.append(time.perf_counter() - self._verify_t0)
+        self._in_verify = False
+
+    def _draft_start(self):
+        if not self._in_verify and self._draft_t0 is None:  # nested draft modules count once
+            self._draft_t0 = time.perf_counter()
+
+    def _draft_end(self):
+        if not self._in_verify and self._draft_t0 is not None:
+            self.trace.draft_s += time.perf_counter() - self._draft_t0
+            self._draft_t0 = None
+
+    def _wrap_generator(self, generator):
+        """Time ``get_candidates`` and record each round's proposed and committed lengths."""
+        get_candidates, update = generator.get_candidates, generator.update_candidate_strategy
+        state = {"proposed": 0, "rounds": 0}
+
+        def timed_get_candidates(input_ids, *args, **kwargs):
+            t0 = time.perf_counter()
+            candidates, logits = get_candidates(input_ids, *args, **kwargs)
+            self.trace.candidates_s += time.perf_counter() - t0
+            state["proposed"] = candidates.shape[1] - input_ids.shape[1]
+            return candidates, logits
+
+        def recorded_update(input_ids, scores, num_matches):
+            state["rounds"] += 1
+            if state["rounds"] > 1:  # the first round's forward is the prefill (plus drafts, for prompt lookup)
+                self.trace.proposed.append(state["proposed"])
+                self.trace.committed.append(int(num_matches) + 1)
+            return update(input_ids, scores, num_matches)
+
+        generator.get_candidates, generator.update_candidate_strategy = timed_get_candidates, recorded_update
+        return generator
+
+    def reset(self) -> RunTrace:
+        self.trace, self._draft_t0, self._in_verify = RunTrace(), None, False
+        return self.trace
+
+    def remove(self):
+        for handle in self._handles:
+            handle.remove()
+        del self.target._get_candidate_generator
+
+
+def run_once(target, method: Method, input_ids, max_new_tokens: int, profiler: PhaseProfiler, temperature=0.0,
+             seed=0) -> tuple[dict, torch.LongTensor]:
+    """One timed ``generate`` call -> (raw record, output ids ``[1, prompt + new]``)."""
+    trace, streamer = profiler.reset(), TimingStreamer()
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        output = target.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            streamer=streamer,
+            **sampling_kwargs(temperature),
+            **method.generate_kwargs,
+        )
+    total = time.perf_counter() - t0
+    new_tokens = output.shape[1] - input_ids.shape[1]
+    ttft = (streamer.first_time or time.perf_counter()) - t0
+    decode_s = total - ttft
+    verify_s = sum(trace.forwards[1:])
+    context_s = trace.candidates_s - trace.draft_s
+    greedy_like = not trace.committed and len(trace.forwards) > 1
+    committed = [1] * (len(trace.forwards) - 1) if greedy_like else trace.committed
+    record = {
+        "method": method.name,
+        "new_tokens": new_tokens,
+        "total_s": total,
+        "ttft_s": ttft,
+        "decode_s": decode_s,
+        "decode_tokens": new_tokens - streamer.first_tokens,
+        "decode_tok_s": (new_tokens - streamer.first_tokens) / decode_s if decode_s > 0 else 0.0,
+        "target_forwards": len(trace.forwards),
+        "proposed_lengths": trace.proposed if not greedy_like else [0] * len(committed),
+        "acceptance_lengths": committed,
+        "phases_s": {
+            "prefill": trace.forwards[0] if trace.forwards else 0.0,
+            "verify": verify_s,
+            "draft": trace.draft_s,
+            "context": context_s,
+            "glue": max(decode_s - verify_s - trace.draft_s - context_s, 0.0),
+        },
+    }
+    return record, output
+
+
+def first_difference(output: torch.LongTensor, reference: torch.LongTensor, prompt_len: int) -> int | None:
+    """Index (in generated tokens) of the first token where ``output`` differs from ``reference``; None if equal."""
+    a, b = output[0, prompt_len:].tolist(), reference[0, prompt_len:].tolist()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The interleaved benchmark
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchPrompt:
+    """An encoded prompt: ``input_ids [1, n]`` of dataset ``dataset``."""
+
+    dataset: str
+    id: str
+    input_ids: torch.LongTensor
+
+
+def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], drafter=None, max_new_tokens=128,
+                  repeats=3, temperature=0.0, seed=0, warmup=True, progress=True) -> list[dict]:
+    """Every prompt: an untimed plain reference run, then ``repeats`` x all methods in a rotated order.
+
+    Returns the raw per-run records (see `run_once`), each with ``dataset``, ``prompt_id``, ``repeat``, ``slot``
+    (position in that repeat's order), ``identical`` and ``first_diff`` (against the reference).
+    """
+    from tqdm.auto import tqdm
+
+    plain = Method("reference")
+    profiler = PhaseProfiler(target, drafter)
+    records = []
+    try:
+        if warmup and prompts:
+            _warm_up(target, prompts[0], methods, profiler, min(max_new_tokens, 8), temperature, seed)
+        bar = tqdm(total=len(prompts) * repeats * len(methods), disable=not progress, desc="bench", unit="run")
+        for p, prompt in enumerate(prompts):
+            _, reference = run_once(target, plain, prompt.input_ids, max_new_tokens, profiler, temperature, seed)
+            _set_oracle_reference(methods, reference)
+            for r in range(repeats):
+                shift = (p * repeats + r) % len(methods)
+                for slot, method in enumerate(methods[shift:] + methods[:shift]):
+                    bar.set_postfix_str(f"{prompt.dataset}/{method.name}")
+                    record, output = run_once(target, method, prompt.input_ids, max_new_tokens, profiler,
+                                              temperature, seed)
+                    diff = first_difference(output, reference, prompt.input_ids.shape[1])
+                    record.update(dataset=prompt.dataset, prompt_id=prompt.id, repeat=r, slot=slot,
+                                  block=method.block, identical=diff is None, first_diff=diff)
+                    records.append(record)
+                    bar.update()
+        bar.close()
+    finally:
+        profiler.remove()
+    return records
+
+
+def _warm_up(target, prompt, methods, profiler, max_new_tokens, temperature, seed):
+    """One short untimed run of every method (allocator, kernels, lazy imports)."""
+    _, reference = run_once(target, Method("reference"), prompt.input_ids, max_new_tokens, profiler, temperature, seed)
+    _set_oracle_reference(methods, reference)
+    for method in methods:
+        run_once(target, method, prompt.input_ids, max_new_tokens, profiler, temperature, seed)
+
+
+def _set_oracle_reference(methods, reference):
+    for method in methods:
+        assistant = method.generate_kwargs.get("assistant_model")
+        if isinstance(assistant, OracleDrafter):
+            assistant.reference = reference
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cost model: r(k) on a cached context
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def measure_verify_curve(target, ks=VERIFY_KS, context_len=256, repeats=7, seed=0) -> dict:
+    """Time target forwards of ``k`` new tokens on a cached ``context_len``-token context, ``k`` interleaved.
+
+    Returns ``{"context_len", "t_s": {k: [times]}, "median_s": {k: s}, "r": {k: median(k) / median(1)}}``.
+    Each forward passes an attention mask and asks for ``k`` logits, as a verify round in ``generate`` does; the
+    cache is cropped back after each one. DFlash verify rounds also return the target's hidden states at the
+    drafter's layers; that extra is not part of this curve (compare ``r_in_run`` in the summary).
+    """
+    ks = sorted(set(ks) | {1})
+    vocab = target.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, vocab, (1, context_len), generator=generator)
+    cache = DynamicCache()
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    with torch.no_grad():
+        target(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for r in range(repeats + 1):  # the first pass is a warm-up
+            for k in ks[r % len(ks):] + ks[: r % len(ks)]:
+                new = torch.randint(0, vocab, (1, k), generator=generator)
+                positions = torch.arange(context_len, context_len + k)
+                t0 = time.perf_counter()
+                target(input_ids=new, past_key_values=cache, use_cache=True, logits_to_keep=k,
+                       attention_mask=torch.ones(1, context_len + k, dtype=torch.long),
+                       cache_position=positions, position_ids=positions[None])
+                elapsed = time.perf_counter() - t0
+                cache.crop(-k)
+                if r > 0:
+                    times[k].append(elapsed)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return {"context_len": context_len, "t_s": times, "median_s": medians,
+            "r": {k: medians[k] / medians[1] for k in ks}}
+
+
+def run_suite(target, prompts: list[BenchPrompt], drafter=None, methods=ALL_METHODS, max_new_tokens=128, repeats=3,
+              temperature=0.0, seed=0, context_len=256, verify_repeats=7, config=None, progress=True) -> dict:
+    """The whole benchmark: interleaved runs, then r(k) for ``k`` in `VERIFY_KS` and every method's block.
+
+    Returns ``{"config", "machine", "verify_curve", "runs", "summary"}``, ready for `bench_report.write_report`.
+    """
+    from .bench_report import summarize
+
+    method_list = build_methods(drafter, methods, temperature)
+    machine = machine_info(target.dtype)  # load average before the run
+    runs = run_benchmark(target, prompts, method_list, drafter, max_new_tokens, repeats, temperature, seed,
+                         progress=progress)
+    ks = sorted(set(VERIFY_KS) | {m.block for m in method_list})
+    curve = measure_verify_curve(target, ks, context_len, verify_repeats, seed)
+    machine["loadavg_after"] = machine_info(target.dtype)["loadavg"]
+    config = dict(config or {}, methods=[m.name for m in method_list], max_new_tokens=max_new_tokens,
+                  repeats=repeats, temperature=temperature, seed=seed, num_prompts=len(prompts),
+                  datasets=list(dict.fromkeys(p.dataset for p in prompts)))
+    return {"config": config, "machine": machine, "verify_curve": curve, "runs": runs,
+            "summary": summarize(runs, curve)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Machine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def machine_info(dtype) -> dict:
+    """CPU model, cores, torch threads, dtype, library versions and the load average (1/5/15 min)."""
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "loadavg": load,
+    }

@@ -1,0 +1,114 @@
+"""``dflash-hf bench``: argument parsing and model/prompt loading; the work is done by `dflash_hf.bench`."""
+
+import argparse
+import time
+
+from .bench import ALL_METHODS
+
+DATASETS = ("gsm8k", "humaneval", "mtbench")
+QUICK = {"num_prompts": 2, "max_new_tokens": 32, "repeats": 1, "verify_repeats": 3, "context_len": 128}
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``bench`` on ``subparsers``; the parsed namespace carries ``func=run_bench``."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark greedy, prompt lookup, DFlash and an oracle on one target, interleaved",
+        description="Runs every method on the same target, prompts, chat template, dtype and thread count, "
+        "interleaved prompt by prompt with rotated order, then measures r(k). Writes bench.json (raw runs + "
+        "summary), bench.md and speedup/acceptance plots into --out.",
+    )
+    p.add_argument("--target", help="target folder (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="drafter folder, or 'random' for an untrained drafter (tau ~ 1: overhead "
+                   "only); default: the drafter shipped for the default target")
+    p.add_argument("--block-size", type=int, help="override the drafter's block size (sweep 4/8/16 on CPU)")
+    p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated datasets (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=10, help="prompts per dataset (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per prompt and method (default: %(default)s)")
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples every method (the oracle is then skipped)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="target and drafter dtype")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, not chat messages")
+    p.add_argument("--context-len", type=int, default=256, help="cached context for r(k) (default: %(default)s)")
+    p.add_argument("--verify-repeats", type=int, default=7, help="repeats for r(k) (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run under 3 minutes: 2 prompts per dataset, 32 new tokens, 1 repeat")
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def run_bench(args) -> None:
+    """Load the target, drafter and prompts, run `bench.run_suite` and write the report."""
+    import torch
+
+    from .bench import run_suite
+    from .bench_report import write_report
+
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer, target_name = load_target(args.target, dtype)
+    methods = [m for m in args.methods.split(",") if m]
+    needs_drafter = any(m in ("dflash", "dflash_builtin", "oracle") for m in methods)
+    drafter, draft_name = load_drafter(args.draft, target, tokenizer, dtype) if needs_drafter else (None, None)
+    if drafter is not None and args.block_size:
+        drafter.config.block_size = args.block_size
+    prompts = load_bench_prompts(tokenizer, args.datasets.split(","), args.num_prompts, chat=not args.no_chat)
+    config = {"target": target_name, "drafter": draft_name, "block_size": drafter and drafter.config.block_size,
+              "chat": not args.no_chat, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    result = run_suite(target, prompts, drafter, methods, args.max_new_tokens, args.repeats, args.temperature,
+                       args.seed, args.context_len, args.verify_repeats, config)
+    paths = write_report(result, args.out)
+    print(paths["markdown"].read_text())
+    print("\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+
+
+def load_target(path, dtype):
+    """``(model, tokenizer, name)``; without ``path``, the default target from `dflash_hf.assets`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        from .assets import prepare_default_target
+
+        path = prepare_default_target()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(path), str(path)
+
+
+def load_drafter(path, target, tokenizer, dtype):
+    """``(drafter, name)`` from ``path``, the shipped default, or ``'random'`` (an untrained drafter)."""
+    from .modeling_dflash import DFlashDraftModel
+
+    if path == "random":
+        from .configuration_dflash import DFlashConfig
+
+        mask = tokenizer.unk_token_id if tokenizer.unk_token_id is not None else tokenizer.pad_token_id or 0
+        config = DFlashConfig.from_target_config(target.config, mask_token_id=mask)
+        return DFlashDraftModel(config).to(dtype).eval(), "random"
+    if path is None:
+        from .assets import default_draft_path
+
+        path = default_draft_path()
+        if path is None:
+            raise ValueError("no drafter found for the default target: pass --draft PATH, --draft random, or "
+                             "--methods greedy,pld3,pld10")
+    return DFlashDraftModel.from_pretrained(path, dtype=dtype).eval(), str(path)
+
+
+def load_bench_prompts(tokenizer, datasets, limit, chat=True):
+    """The first ``limit`` prompts of each dataset, encoded with `dflash_hf.assets.encode_chat`."""
+    from .assets import encode_chat, load_prompts
+    from .bench import BenchPrompt
+
+    return [
+        BenchPrompt(name, str(record["id"]), encode_chat(tokenizer, record["turns"], chat=chat)["input_ids"])
+        for name in datasets
+        for record in load_prompts(name, limit)
+    ]

@@ -1,0 +1,206 @@
+"""Benchmark report: per-method summaries, the cost model, JSON, a Markdown table and PNG plots.
+
+Cost model (docs: landscape §5.1): a round costs ``r(k) + c + o`` decode steps and commits tau tokens, so
+``S = tau / (r(k) + c + o)``. ``r`` comes from `dflash_hf.bench.measure_verify_curve`; ``c`` (draft) and ``o``
+(context + glue) are each method's per-round phase times over ``t(1)``, greedy's verify time per round in the same
+interleaved runs.
+"""
+
+import json
+import statistics
+from pathlib import Path
+
+from .generation_dflash import DFlashStats
+
+PHASES = ("draft", "context", "verify", "glue")
+
+
+def interpolate_r(r: dict, k: float) -> float | None:
+    """``r(k)`` from the measured curve, linear between measured ``k``; None outside it."""
+    points = sorted((int(key), value) for key, value in r.items())
+    for (k0, r0), (k1, r1) in zip(points, points[1:]):
+        if k0 <= k <= k1:
+            return r0 + (r1 - r0) * (k - k0) / (k1 - k0)
+    return dict(points).get(k)
+
+
+def summarize(records: list[dict], verify_curve: dict | None = None) -> list[dict]:
+    """One row per (dataset, method), datasets in order of appearance then ``"all"``, methods in run order."""
+    datasets = list(dict.fromkeys(r["dataset"] for r in records)) + ["all"]
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    rows = []
+    for dataset in datasets:
+        subset = [r for r in records if dataset in ("all", r["dataset"])]
+        by_method = [_summarize_method(dataset, m, [r for r in subset if r["method"] == m]) for m in methods]
+        by_method = [row for row in by_method if row is not None]
+        greedy = next((row for row in by_method if row["method"] == "greedy"), None)
+        for row in by_method:
+            row["speedup"] = row["decode_tok_s"] / greedy["decode_tok_s"] if greedy else None
+            if verify_curve is not None:
+                row.update(_cost_model(row, greedy, verify_curve))
+        rows += by_method
+    return rows
+
+
+def _summarize_method(dataset, method, runs) -> dict | None:
+    if not runs:
+        return None
+    block = runs[0]["block"]
+    stats = DFlashStats(block)
+    for run in runs:
+        stats.acceptance_lengths += run["acceptance_lengths"]
+        stats.proposed_lengths += run["proposed_lengths"]
+    per_round = {p: statistics.median(r["phases_s"][p] / max(len(r["acceptance_lengths"]), 1) for r in runs)
+                 for p in PHASES}
+    identical, first_diffs = _identity(runs)
+    return {
+        "dataset": dataset,
+        "method": method,
+        "runs": len(runs),
+        "block": block,
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+        "decode_tok_s_min": min(r["decode_tok_s"] for r in runs),
+        "decode_tok_s_max": max(r["decode_tok_s"] for r in runs),
+        "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+        "tau": stats.mean_acceptance_length if stats.acceptance_lengths else 1.0,
+        "verified_per_round": 1 + statistics.mean(stats.proposed_lengths) if stats.proposed_lengths else 1.0,
+        "histogram": stats.histogram,
+        "per_position_acceptance": stats.per_position_acceptance,
+        "phase_ms_per_round": {p: 1e3 * t for p, t in per_round.items()},
+        "identical_prompts": identical,
+        "num_prompts": identical + len(first_diffs),
+        "first_diffs": first_diffs,
+    }
+
+
+def _identity(runs) -> tuple[int, list[dict]]:
+    """Prompts whose every run equals the reference, and ``{"dataset", "prompt_id", "position"}`` for the others."""
+    by_prompt: dict[tuple, list] = {}
+    for run in runs:
+        by_prompt.setdefault((run["dataset"], run["prompt_id"]), []).append(run["first_diff"])
+    diffs = [{"dataset": d, "prompt_id": p, "position": min(x for x in v if x is not None)}
+             for (d, p), v in by_prompt.items() if any(x is not None for x in v)]
+    return len(by_prompt) - len(diffs), diffs
+
+
+def _cost_model(row, greedy, verify_curve) -> dict:
+    """``c``, ``o`` and ``r``; predicted speedups and the ceiling (see the module docstring).
+
+    The unit ``t(1)`` is greedy's verify time per round in the same runs (interleaved, at the real context
+    lengths), else the curve's one-token time. ``r_in_run`` is this method's verify time per round in that unit;
+    the prediction uses the curve at the tokens actually verified per round (``1 + mean proposals``), so prompt
+    lookup's short rounds are not charged ``r(B)``; the ceiling assumes every round verifies and commits ``B``.
+    """
+    ms = row["phase_ms_per_round"]
+    t1_ms = greedy["phase_ms_per_round"]["verify"] if greedy else 1e3 * _by_int(verify_curve["median_s"], 1)
+    c, o = ms["draft"] / t1_ms, (ms["context"] + ms["glue"]) / t1_ms
+    r_k = interpolate_r(verify_curve["r"], row["verified_per_round"])
+    r_b = interpolate_r(verify_curve["r"], row["block"])
+    model = {"t1_ms": t1_ms, "c": c, "o": o, "r_in_run": ms["verify"] / t1_ms, "r_block": r_b,
+             "predicted_speedup": None, "predicted_speedup_with_o": None, "ceiling": None}
+    if row["block"] > 1 and r_k is not None and r_b is not None:
+        model.update(predicted_speedup=row["tau"] / (r_k + c), predicted_speedup_with_o=row["tau"] / (r_k + c + o),
+                     ceiling=row["block"] / (r_b + c))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _fmt(value, spec=".2f", suffix=""):
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def render_markdown(result: dict) -> str:
+    """The summary table, the r(k) curve and the machine line as Markdown."""
+    machine, config = result["machine"], result["config"]
+    lines = [
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['torch_threads']} torch thread(s), "
+        f"{machine['dtype']}, torch {machine['torch']}, transformers {machine['transformers']}, "
+        f"load average {machine['loadavg']}.",
+        f"Run: {config.get('target')}, drafter {config.get('drafter')}, max_new_tokens {config['max_new_tokens']}, "
+        f"{config['repeats']} repeat(s), temperature {config['temperature']}.",
+        "",
+        "| dataset | method | decode tok/s | TTFT ms | speedup | tau | identical | draft / context / verify / glue "
+        "ms per round | r in run | predicted S | with o | ceiling |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["summary"]:
+        phases = " / ".join(f"{row['phase_ms_per_round'][p]:.1f}" for p in PHASES)
+        lines.append(
+            f"| {row['dataset']} | {row['method']} | {row['decode_tok_s']:.1f} | {1e3 * row['ttft_s']:.0f} | "
+            f"{_fmt(row['speedup'], '.2f', '×')} | {row['tau']:.2f} | "
+            f"{row['identical_prompts']}/{row['num_prompts']} | {phases} | {_fmt(row.get('r_in_run'))} | {_fmt(row.get('predicted_speedup'), '.2f', '×')} | "
+            f"{_fmt(row.get('predicted_speedup_with_o'), '.2f', '×')} | {_fmt(row.get('ceiling'), '.2f', '×')} |"
+        )
+    curve = result.get("verify_curve")
+    if curve is not None:
+        ks = sorted(int(k) for k in curve["r"])
+        lines += [
+            "",
+            f"r(k) = t(verify k) / t(decode 1), cached context {curve['context_len']}, "
+            f"t(1) = {1e3 * _by_int(curve['median_s'], 1):.1f} ms:",
+            "",
+            "| k | " + " | ".join(str(k) for k in ks) + " |",
+            "|---|" + "---|" * len(ks),
+            "| r(k) | " + " | ".join(f"{_by_int(curve['r'], k):.2f}" for k in ks) + " |",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _by_int(mapping, k):
+    """Look up ``k`` whether the keys are ints (in memory) or strings (read back from JSON)."""
+    return mapping[k] if k in mapping else mapping[str(k)]
+
+
+def plot_results(summary: list[dict], out_dir: Path) -> list[Path]:
+    """``speedup.png`` (per dataset, per method) and ``acceptance.png`` (histograms over all datasets)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = [d for d in dict.fromkeys(r["dataset"] for r in summary) if d != "all"]
+    methods = list(dict.fromkeys(r["method"] for r in summary))
+    rows = {(r["dataset"], r["method"]): r for r in summary}
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(1.5 + 1.6 * len(datasets), 3.5))
+    for i, method in enumerate(methods):
+        values = [rows.get((d, method), {}).get("speedup") or 0.0 for d in datasets]
+        ax.bar([x + i * width for x in range(len(datasets))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(datasets))], datasets)
+    ax.set_ylabel("decode speedup over greedy")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    speedup = out_dir / "speedup.png"
+    fig.savefig(speedup, dpi=120)
+    plt.close(fig)
+
+    speculative = [m for m in methods if rows[("all", m)]["block"] > 1]
+    fig, axes = plt.subplots(1, max(len(speculative), 1), figsize=(3 * max(len(speculative), 1), 3), squeeze=False)
+    for ax, method in zip(axes[0], speculative):
+        counts = rows[("all", method)]["histogram"]
+        total = sum(counts) or 1
+        ax.bar(range(len(counts)), [c / total for c in counts])
+        ax.set_title(f"{method} (tau {rows[('all', method)]['tau']:.2f})", fontsize="small")
+        ax.set_xlabel("tokens committed per round")
+    axes[0][0].set_ylabel("fraction of rounds")
+    fig.tight_layout()
+    acceptance = out_dir / "acceptance.png"
+    fig.savefig(acceptance, dpi=120)
+    plt.close(fig)
+    return [speedup, acceptance]
+
+
+def write_report(result: dict, out_dir) -> dict[str, Path]:
+    """Write ``bench.json`` (config, machine, r(k), raw runs, summary), ``bench.md`` and the plots."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "bench.json", "markdown": out_dir / "bench.md"}
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    paths["markdown"].write_text(render_markdown(result))
+    paths["speedup"], paths["acceptance"] = plot_results(result["summary"], out_dir)
+    return paths

@@ -1,0 +1,159 @@
+"""The benchmark harness on a tiny random Qwen3 target and a tiny DFlash drafter (no assets needed)."""
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(1)
+
+from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from dflash_hf import DFlashConfig, DFlashDraftModel  # noqa: E402
+from dflash_hf.bench import (  # noqa: E402
+    ALL_METHODS,
+    BenchPrompt,
+    Method,
+    PhaseProfiler,
+    build_methods,
+    first_difference,
+    measure_verify_curve,
+    run_once,
+    run_suite,
+)
+from dflash_hf.bench_cli import add_bench_parser, run_bench  # noqa: E402
+from dflash_hf.bench_report import interpolate_r, render_markdown, write_report  # noqa: E402
+
+VOCAB, BLOCK, NEW = 96, 4, 16
+
+
+@pytest.fixture(scope="module")
+def models():
+    config = Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(8.0)  # clear greedy winners
+    target.generation_config.eos_token_id = None
+    target.generation_config.pad_token_id = 0
+    draft_config = DFlashConfig.from_target_config(config, mask_token_id=3, num_hidden_layers=2, block_size=BLOCK)
+    draft_config._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    return target, DFlashDraftModel(draft_config).eval()
+
+
+def prompts():
+    generator = torch.Generator().manual_seed(7)
+    return [BenchPrompt(ds, f"{ds}-{i}", torch.randint(4, VOCAB, (1, 10), generator=generator))
+            for ds, i in (("toy_a", 0), ("toy_b", 0))]
+
+
+@pytest.fixture(scope="module")
+def greedy_result(models):
+    target, drafter = models
+    return run_suite(target, prompts(), drafter, max_new_tokens=NEW, repeats=2, context_len=32, verify_repeats=2,
+                     config={"target": "tiny-qwen3"}, progress=False)
+
+
+def test_every_method_runs_interleaved(greedy_result):
+    runs = greedy_result["runs"]
+    assert {r["method"] for r in runs} == set(ALL_METHODS)
+    assert len(runs) == 2 * 2 * len(ALL_METHODS)
+    first_in_order = {r["method"] for r in runs if r["slot"] == 0}
+    assert len(first_in_order) > 1  # the order rotates between repeats
+    assert all(r["new_tokens"] == NEW for r in runs)
+
+
+def test_every_method_is_token_identical_to_greedy_in_fp32(greedy_result):
+    assert all(r["identical"] and r["first_diff"] is None for r in greedy_result["runs"])
+    assert all(row["identical_prompts"] == row["num_prompts"] for row in greedy_result["summary"])
+
+
+def test_oracle_accepts_whole_blocks(greedy_result):
+    for run in (r for r in greedy_result["runs"] if r["method"] == "oracle"):
+        assert run["acceptance_lengths"][:-1] == [BLOCK] * (len(run["acceptance_lengths"]) - 1)
+        assert 1 <= run["acceptance_lengths"][-1] <= BLOCK
+    oracle = next(row for row in greedy_result["summary"] if row["method"] == "oracle" and row["dataset"] == "all")
+    assert oracle["histogram"][BLOCK] > 0 and oracle["per_position_acceptance"] == [1.0] * (BLOCK - 1)
+
+
+def test_phases_and_cost_model(greedy_result):
+    for run in greedy_result["runs"]:
+        phases = run["phases_s"]
+        assert min(phases.values()) >= 0 and phases["verify"] > 0 and phases["prefill"] > 0
+        assert (phases["draft"] > 0) == (run["method"] in ("dflash", "dflash_builtin"))
+        assert run["target_forwards"] == len(run["acceptance_lengths"]) + 1
+        assert sum(run["acceptance_lengths"]) == run["decode_tokens"]
+    rows = {(r["dataset"], r["method"]): r for r in greedy_result["summary"]}
+    assert rows[("all", "greedy")]["speedup"] == pytest.approx(1.0)
+    dflash = rows[("all", "dflash")]
+    assert dflash["c"] > 0 and dflash["r_block"] is not None and dflash["ceiling"] > dflash["predicted_speedup"]
+    assert greedy_result["verify_curve"]["r"][1] == 1.0
+
+
+def test_report_files(greedy_result, tmp_path):
+    paths = write_report(greedy_result, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert set(data) == {"config", "machine", "verify_curve", "runs", "summary"}
+    assert {"cpu", "cores", "torch_threads", "dtype", "torch", "transformers", "loadavg"} <= set(data["machine"])
+    assert {"decode_tok_s", "ttft_s", "phases_s", "acceptance_lengths", "proposed_lengths", "first_diff"} <= set(
+        data["runs"][0])
+    assert {"speedup", "tau", "histogram", "per_position_acceptance", "identical_prompts", "first_diffs"} <= set(
+        data["summary"][0])
+    markdown = paths["markdown"].read_text()
+    assert markdown == render_markdown(data)  # renders from JSON read back too
+    assert "| toy_a | oracle |" in markdown and "r(k)" in markdown
+    for kind in ("speedup", "acceptance"):
+        assert paths[kind].stat().st_size > 1000
+
+
+def test_recorded_rounds_match_the_generator_stats(models):
+    target, drafter = models
+    profiler = PhaseProfiler(target, drafter)
+    try:
+        (method,) = build_methods(drafter, ["dflash"])
+        record, _ = run_once(target, method, prompts()[0].input_ids, NEW, profiler)
+    finally:
+        profiler.remove()
+    assert record["acceptance_lengths"] == drafter.last_stats.acceptance_lengths
+    assert record["proposed_lengths"] == drafter.last_stats.proposed_lengths
+    assert "_get_candidate_generator" not in vars(target)  # the profiler leaves the target as it found it
+
+
+def test_sampling_runs_without_oracle(models):
+    target, drafter = models
+    result = run_suite(target, prompts()[:1], drafter, methods=("greedy", "pld3", "dflash", "oracle"),
+                       max_new_tokens=8, repeats=1, temperature=0.8, context_len=16, verify_repeats=1, progress=False)
+    assert {r["method"] for r in result["runs"]} == {"greedy", "pld3", "dflash"}
+    assert next(r for r in result["runs"] if r["method"] == "greedy")["identical"]  # same seed, same samples
+
+
+def test_helpers(models):
+    reference = torch.tensor([[1, 2, 3, 4, 5]])
+    assert first_difference(reference, reference, 2) is None
+    assert first_difference(torch.tensor([[1, 2, 3, 9, 5]]), reference, 2) == 1
+    assert first_difference(torch.tensor([[1, 2, 3]]), reference, 2) == 1
+    assert interpolate_r({1: 1.0, 2: 1.5, 4: 2.5}, 3) == pytest.approx(2.0)
+    assert interpolate_r({"1": 1.0, "4": 2.0}, 8) is None
+    assert Method("greedy").block == 1
+    with pytest.raises(ValueError, match="needs a DFlash drafter"):
+        build_methods(None, ["dflash"])
+    curve = measure_verify_curve(models[0], ks=(2, 4), context_len=8, repeats=1)
+    assert sorted(curve["r"]) == [1, 2, 4] and all(len(t) == 1 for t in curve["t_s"].values())
+
+
+def test_cli_parser():
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--quick", "--draft", "random", "--temperature", "0.7"])
+    assert args.func is run_bench and args.quick and args.draft == "random" and args.temperature == 0.7
+    assert args.methods.split(",") == list(ALL_METHODS) and args.threads == 1

@@ -67,9 +67,16 @@ def _run_generate(args) -> None:
     run_generate(args)
 
 
+def _add_bench_parser(subparsers) -> None:
+    from .bench_cli import add_bench_parser
+
+    add_bench_parser(subparsers)
+
+
 _SUBCOMMANDS = {
     "prepare": (_add_prepare_parser, _run_prepare),
     "generate": (_add_generate_parser, _run_generate),
+    "bench": (_add_bench_parser, lambda args: args.func(args)),
 }
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -264,6 +265,12 @@ def test_resume_gives_identical_state(work, tmp_path):
     assert [r["step"] for r in log] == [5, 6] and (tmp_path / "b" / "curves.png").exists()
 
 
+def test_online_features_warm_start_and_grad_accum(work, tmp_path):
+    summary = main(train_argv(work, tmp_path / "online", "--max-steps", "2", "--online-features", "--warm-start",
+                              "--grad-accum", "2", "--batch-size", "2"))
+    assert summary["step"] == 2 and summary["blocks"] > 0
+
+
 def test_trained_drafter_beats_untrained(work, tmp_path):
     from dflash_hf.training.evaluate import acceptance
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -283,6 +290,7 @@ def test_trained_drafter_beats_untrained(work, tmp_path):
     good = acceptance(target, trained, prompts, block_size=8, max_new_tokens=32)
     bad = acceptance(target, untrained, prompts, block_size=8, max_new_tokens=32)
     assert len(good["histogram"]) == 9  # the generator used block_size 8
+    print(f"tau trained {good['tau']:.2f} vs untrained {bad['tau']:.2f}")
     assert good["tau"] > bad["tau"] + 0.5, (good["tau"], bad["tau"])
     four = acceptance(target, trained, prompts, block_size=4, max_new_tokens=32)
     assert len(four["histogram"]) == 5 and max(i for i, c in enumerate(four["histogram"]) if c) <= 4
@@ -321,7 +329,10 @@ def test_train_all_on_cpu_with_tiny_budget(work, tmp_path):
 def test_torchrun_two_processes_gloo(work, tmp_path):
     out = tmp_path / "ddp"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29571",
+    with socket.socket() as probe:  # a free port: other test runs may share the machine
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
            "-m", "dflash_hf.training", *train_argv(work, out, "--max-steps", "3", "--quiet", "--threads", "1")]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

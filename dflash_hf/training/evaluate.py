@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..generation_dflash import DFlashStats
 from ..modeling_dflash import DFlashDraftModel
 from .data import read_prompts
 from .distill import encode_prompt, load_target
@@ -39,19 +40,13 @@ def acceptance(target, draft, prompt_ids: list[list[int]], block_size: int, max_
             proposed += draft.last_stats.proposed_lengths
     finally:
         draft.config.block_size = original
-    histogram = [0] * (block_size + 1)
-    for length in lengths:
-        histogram[length] += 1
-    per_position = []
-    for k in range(1, block_size):
-        offered = [a for a, p in zip(lengths, proposed) if p >= k]
-        per_position.append(sum(a - 1 >= k for a in offered) / len(offered) if offered else 0.0)
+    pooled = DFlashStats(block_size, acceptance_lengths=lengths, proposed_lengths=proposed)
     return {
         "block_size": block_size,
-        "tau": sum(lengths) / len(lengths) if lengths else 0.0,
-        "rounds": len(lengths),
-        "histogram": histogram,
-        "per_position_acceptance": per_position,
+        "tau": pooled.mean_acceptance_length,
+        "rounds": pooled.num_rounds,
+        "histogram": pooled.histogram,
+        "per_position_acceptance": pooled.per_position_acceptance,
         "new_tokens": new_tokens,
         "tokens_per_s": new_tokens / seconds if seconds else 0.0,
     }

@@ -1,0 +1,150 @@
+"""Random-anchor blocks for DFlash training: anchors, block inputs, the block attention mask, labels and weights.
+
+Pure tensor functions, no model. Shapes: ``b`` batch, ``S`` sequence length (context), ``N`` blocks per sequence,
+``B`` block size. All blocks of a sequence are drafted side by side in one drafter forward::
+
+    keys    = [context 0..S-1 | block_0 (B) | block_1 (B) | ... | block_{N-1} (B)]
+    queries = [block_0 | block_1 | ... | block_{N-1}]
+
+Block ``n`` is ``[input_ids[a_n], MASK x (B-1)]`` at positions ``a_n .. a_n+B-1``. It sees the context strictly
+before its anchor (``kv < a_n``: at inference the anchor is the last committed token, whose target hidden state
+does not exist yet), itself bidirectionally, and no other block. Row ``k`` of block ``n`` predicts
+``input_ids[a_n + k]`` (same position, no shift), with weight ``exp(-(k-1)/gamma)`` for ``k >= 1``.
+
+These are the two pitfalls SpecForge PR #473 fixed (``kv <= anchor`` and labels shifted by one); the tests pin both.
+"""
+
+import torch
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, block_size: int, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """Draw up to ``num_anchors`` distinct anchors per sequence among response positions, sorted ascending.
+
+    A position ``p`` is a valid anchor when ``loss_mask[p] == 1`` and ``p <= S - B`` (the whole block fits in the
+    sequence). Sequences with fewer valid anchors than the batch's largest draw are padded at the end:
+    ``keep[i, n]`` is False for padding, whose anchor is set to 0.
+
+    Returns ``anchors [b, N]`` and ``keep [b, N]`` with ``N = min(num_anchors, max valid count)`` (may be 0).
+    """
+    batch, seq_len = loss_mask.shape
+    positions = torch.arange(seq_len, device=loss_mask.device)
+    valid = loss_mask.bool() & (positions <= seq_len - block_size)
+    counts = valid.sum(dim=1)
+    num = int(min(num_anchors, int(counts.max()) if batch else 0))
+    if num == 0:
+        empty = torch.zeros(batch, 0, dtype=torch.long, device=loss_mask.device)
+        return empty, empty.bool()
+    # Random scores for valid positions, -1 elsewhere: the top `num` scores are a uniform draw without replacement.
+    scores = torch.rand(batch, seq_len, generator=generator, device="cpu").to(loss_mask.device)
+    scores = scores.masked_fill(~valid, -1.0)
+    picked = scores.topk(num, dim=1).indices
+    keep = torch.arange(num, device=loss_mask.device)[None, :] < counts[:, None].clamp(max=num)
+    # topk puts valid positions (scores >= 0) first; sort the kept ones ascending and park padding at the end.
+    sort_key = picked.masked_fill(~keep, seq_len)
+    anchors = sort_key.sort(dim=1).values.masked_fill(~keep, 0)
+    return anchors, keep
+
+
+def build_block_inputs(
+    input_ids: torch.LongTensor,
+    anchors: torch.LongTensor,
+    block_size: int,
+    mask_token_id: int,
+    keep: torch.BoolTensor | None = None,
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Block token ids and positions for one drafter forward over all blocks.
+
+    Returns ``noise_ids [b, N*B]`` (``[input_ids[anchor], mask x (B-1)]`` per block; padded blocks are all mask)
+    and ``position_ids [b, S + N*B]`` (``0..S-1`` for the context, then ``anchor..anchor+B-1`` per block).
+    """
+    batch, seq_len = input_ids.shape
+    num = anchors.shape[1]
+    noise = torch.full((batch, num, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    anchor_tokens = input_ids.gather(1, anchors)
+    if keep is not None:
+        anchor_tokens = anchor_tokens.masked_fill(~keep, mask_token_id)
+    noise[:, :, 0] = anchor_tokens
+    offsets = torch.arange(block_size, device=input_ids.device)
+    block_positions = (anchors[:, :, None] + offsets).reshape(batch, num * block_size)
+    context_positions = torch.arange(seq_len, device=input_ids.device).expand(batch, -1)
+    return noise.reshape(batch, num * block_size), torch.cat([context_positions, block_positions], dim=1)
+
+
+def build_block_mask(
+    anchors: torch.LongTensor, keep: torch.BoolTensor, seq_len: int, block_size: int
+) -> torch.BoolTensor:
+    """Boolean attention mask ``[b, 1, N*B, S + N*B]``, True = may attend.
+
+    Context key ``j`` is visible to block ``n`` iff ``j < anchors[n]`` (strictly) and the block is kept; block keys
+    are visible only within the same block (bidirectional). A padded block sees only itself, so no row is empty
+    (no NaN); its loss weight is zero.
+    """
+    batch, num = anchors.shape
+    device = anchors.device
+    row_block = torch.arange(num * block_size, device=device) // block_size  # [N*B]
+    row_anchor = anchors[:, row_block]  # [b, N*B]
+    row_keep = keep[:, row_block]
+    context = torch.arange(seq_len, device=device)[None, None, :] < row_anchor[:, :, None]
+    context = context & row_keep[:, :, None]
+    same_block = (row_block[:, None] == row_block[None, :]).expand(batch, -1, -1)
+    return torch.cat([context, same_block], dim=2)[:, None]
+
+
+def block_labels_and_weights(
+    input_ids: torch.LongTensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.LongTensor,
+    keep: torch.BoolTensor,
+    block_size: int,
+    gamma: float | None,
+) -> tuple[torch.LongTensor, torch.Tensor]:
+    """Same-position labels and loss weights ``[b, N*B]``.
+
+    ``labels[n*B + k] = input_ids[anchor_n + k]``; ``weights = keep * in_bounds * (k > 0) * loss_mask[anchor+k] *
+    exp(-(k-1)/gamma)`` (``gamma=None`` or ``<= 0``: uniform). Positions past the sequence get label 0, weight 0.
+    """
+    batch, seq_len = input_ids.shape
+    num = anchors.shape[1]
+    offsets = torch.arange(block_size, device=input_ids.device)
+    label_pos = anchors[:, :, None] + offsets  # [b, N, B]
+    in_bounds = label_pos < seq_len
+    clamped = label_pos.clamp(max=seq_len - 1).reshape(batch, -1)
+    labels = input_ids.gather(1, clamped).reshape(batch, num, block_size).masked_fill(~in_bounds, 0)
+    response = loss_mask.to(torch.float32).gather(1, clamped).reshape(batch, num, block_size)
+    decay = decay_weights(block_size, gamma, device=input_ids.device)
+    weights = keep[:, :, None].float() * in_bounds.float() * response * decay
+    return labels.reshape(batch, -1), weights.reshape(batch, -1)
+
+
+def decay_weights(block_size: int, gamma: float | None, device=None) -> torch.Tensor:
+    """``[B]``: 0 at the anchor, ``exp(-(k-1)/gamma)`` at block position ``k >= 1`` (1 when gamma is None/<= 0)."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    if gamma is None or gamma <= 0:
+        weights = torch.ones(block_size, device=device)
+    else:
+        weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay: 7 for B=16, 5 for B=10, 4 for B=8; otherwise scaled like B/2 - 1 (at least 1)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2 - 1))
+
+
+def render_mask(mask: torch.Tensor) -> list[str]:
+    """A 2D boolean mask as rows of ``#`` (attend) and ``.``: for test pictures and debugging."""
+    return ["".join("#" if bool(v) else "." for v in row) for row in mask]
+
+
+__all__ = [
+    "block_labels_and_weights",
+    "build_block_inputs",
+    "build_block_mask",
+    "decay_weights",
+    "default_gamma",
+    "render_mask",
+    "sample_anchors",
+]

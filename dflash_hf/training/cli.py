@@ -1,0 +1,256 @@
+"""Argument parsers for ``dflash-hf distill | train | eval | train-all``; each sets ``func`` to its runner.
+
+Wire them into a top-level CLI with::
+
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_distill_parser(sub); add_train_parser(sub); add_eval_parser(sub); add_train_all_parser(sub)
+    args = parser.parse_args(); args.func(args)
+
+``python -m dflash_hf.training ...`` runs the same commands without the top-level CLI.
+"""
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.replace(",", " ").split()]
+
+
+def _add_common(p, *, target_help="local folder of the target model (config, weights, tokenizer)"):
+    p.add_argument("--target", required=True, help=target_help)
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (sampling, init, data order, anchors)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+
+
+def _add_distill_options(p, prefix: str = ""):
+    """Options of the generation stage; ``prefix`` namespaces them inside ``train-all``."""
+    p.add_argument(f"--{prefix}batch-size", type=int, default=16, dest=f"{prefix.replace('-', '_')}batch_size",
+                   help="prompts generated together (left padding)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="longest response the target writes")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples the target's answers")
+    p.add_argument("--max-prompt-length", type=int, default=2048, help="skip (and report) longer templated prompts")
+    p.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resumption)")
+    p.add_argument("--no-features", action="store_true",
+                   help="store tokens only; training then runs the target online for features")
+    p.add_argument("--num-features", type=int, default=5,
+                   help="feature layers when --target-layer-ids is not given (build_target_layer_ids)")
+    p.add_argument("--chat-template-kwargs", default=None,
+                   help='JSON passed to apply_chat_template, e.g. \'{"enable_thinking": false}\'')
+
+
+def add_distill_parser(subparsers):
+    p = subparsers.add_parser("distill", help="the target answers prompts -> training shards (self-distillation)",
+                              description="Self-distillation: chat template -> target answers (batched) -> "
+                              "resumable shards of token ids, response mask and target features. See docs/training.md.")
+    _add_common(p)
+    p.add_argument("--prompts", nargs="+", required=True, help="JSONL/JSON prompt files (turns/ShareGPT/prompt)")
+    p.add_argument("--out", required=True, help="output folder of shard-*.safetensors + manifest.json")
+    p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
+    p.add_argument("--target-layer-ids", type=_int_list, default=None,
+                   help="feature layers, e.g. '1,8,14,20,27' (default: build_target_layer_ids)")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; no new shard starts after this")
+    _add_distill_options(p)
+    p.set_defaults(func=run_distill)
+    return p
+
+
+def _add_train_options(p):
+    g = p.add_argument_group("drafter")
+    g.add_argument("--mask-token-id", type=int, required=True,
+                   help="an unused row of the target's vocabulary for masked block slots (SmolLM2: 16)")
+    g.add_argument("--num-draft-layers", type=int, default=5, help="drafter decoder layers")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per block (anchor + B-1 drafts)")
+    g.add_argument("--target-layer-ids", type=_int_list, default=None,
+                   help="feature layers (default: the shards' ids, else build_target_layer_ids)")
+    g.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
+    g.add_argument("--warm-start", action="store_true",
+                   help="copy the target's top layers and final norm into the drafter; fc selects the last feature")
+    g.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"],
+                   help="drafter attention kernel (dense boolean block mask)")
+    g = p.add_argument_group("blocks and loss")
+    g.add_argument("--num-anchors", type=int, default=512, help="blocks (random anchors) per sequence per step")
+    g.add_argument("--gamma", type=float, default=None,
+                   help="loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8; <= 0 for uniform")
+    g.add_argument("--sample-positions", action="store_true",
+                   help="keep label position k with probability w_k at unit weight (cuts lm_head cost ~2x)")
+    g.add_argument("--max-length", type=int, default=3072, help="truncate sequences to this many tokens")
+    g.add_argument("--online-features", action="store_true",
+                   help="run the target for features even when the shards store them")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
+    g.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor as a fraction of --lr")
+    g.add_argument("--warmup-ratio", type=float, default=0.04, help="warm-up steps as a fraction of all steps")
+    g.add_argument("--warmup-steps", type=int, default=None, help="overrides --warmup-ratio")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (matrices only)")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip for all parameters but fc (0 = off)")
+    g.add_argument("--fc-max-grad-norm", type=float, default=1.0, help="separate clip for fc (0 = off)")
+    g.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per process")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--epochs", type=int, default=6, help="passes over the data (ignored with --max-steps)")
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps; sets the schedule length")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter and lm_head")
+    g.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the frozen target is loaded in")
+    g = p.add_argument_group("run control")
+    g.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of training; stops cleanly with a checkpoint and a final drafter")
+    g.add_argument("--stop-after", type=int, default=None,
+                   help="stop (with a checkpoint) after this step without changing the schedule")
+    g.add_argument("--log-every", type=int, default=10, help="steps per log.jsonl line / progress update")
+    g.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (0 = only at the end)")
+    g.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0 = all)")
+    g.add_argument("--final-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of OUT/final (published drafters are bf16)")
+    g.add_argument("--final-max-shard-size", default=None, help="e.g. 15MB: split OUT/final into shards")
+
+
+def add_train_parser(subparsers):
+    p = subparsers.add_parser("train", help="train a drafter on distilled shards", description="Train a DFlash drafter (random anchors, "
+                              "block mask, decayed CE) against a frozen target. See docs/training.md.")
+    _add_common(p)
+    p.add_argument("--data", required=True, help="folder of shard-*.safetensors from `dflash-hf distill`")
+    p.add_argument("--output-dir", required=True, help="run folder: checkpoints/, latest, final/, log.jsonl")
+    p.add_argument("--resume", default=None,
+                   help="'auto' (OUT/latest if any), a run folder or a checkpoint folder")
+    _add_train_options(p)
+    p.set_defaults(func=run_train)
+    return p
+
+
+def add_eval_parser(subparsers):
+    p = subparsers.add_parser("eval", help="acceptance length tau of a drafter per block size",
+                              description="Greedy DFlash generation on held-out prompts: tau "
+                              "(tokens committed per round, bonus included) and its histogram per block size.")
+    _add_common(p)
+    p.add_argument("--draft", required=True, help="drafter folder (OUT/final or a checkpoint)")
+    p.add_argument("--prompts", nargs="+", required=True, help="held-out JSONL/JSON prompt files")
+    p.add_argument("--limit", type=int, default=20, help="prompts to evaluate")
+    p.add_argument("--block-sizes", type=_int_list, default=[4, 8, 16], help="e.g. '4,8,16'")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
+    p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--chat-template-kwargs", default=None, help="JSON passed to apply_chat_template")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def add_train_all_parser(subparsers):
+    p = subparsers.add_parser(
+        "train-all", help="distill + train within one wall-clock budget (GPU-ready)",
+        description="Distill (up to --distill-fraction of --budget), then train for the rest, then write OUT/final "
+                    "(bf16, split into --final-max-shard-size shards). Rerunning resumes both stages.")
+    _add_common(p)
+    p.add_argument("--prompts", nargs="+", required=True, help="JSONL/JSON prompt files")
+    p.add_argument("--out", required=True, help="run folder: data/ (shards) and train/ (checkpoints, final/)")
+    p.add_argument("--budget", type=float, required=True, help="total wall-clock seconds for both stages")
+    p.add_argument("--distill-fraction", type=float, default=0.3, help="share of --budget for distillation")
+    p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
+    p.add_argument("--eval-prompts", nargs="*", default=None, help="if given, run eval on OUT/train/final after")
+    _add_distill_options(p, prefix="distill-")
+    _add_train_options(p)
+    p.set_defaults(func=run_train_all, final_max_shard_size="15MB")
+    return p
+
+
+# ------------------------------------------------------------------------------------------------------ runners
+def _prepare(args):
+    import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
+def run_distill(args):
+    from .distill import distill
+
+    _prepare(args)
+    summary = distill(args)
+    print(json.dumps({k: v for k, v in summary.items() if k != "problems"} | {"skipped_lines": summary["problems"]}))
+    return summary
+
+
+def run_train(args):
+    from .trainer import train
+
+    _prepare(args)
+    summary = train(args)
+    print(json.dumps(summary))
+    return summary
+
+
+def run_eval(args):
+    from .evaluate import evaluate
+
+    _prepare(args)
+    return evaluate(args)
+
+
+def run_train_all(args):
+    import torch
+
+    from .distill import distill
+    from .trainer import train
+
+    _prepare(args)
+    start = time.monotonic()
+    out = Path(args.out)
+    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    distill_args = argparse.Namespace(
+        target=args.target, device=args.device, seed=args.seed, quiet=args.quiet, prompts=args.prompts,
+        out=str(out / "data"), limit=args.limit, dtype="bfloat16" if on_gpu else args.target_dtype,
+        target_layer_ids=args.target_layer_ids, time_budget=args.budget * args.distill_fraction,
+        batch_size=args.distill_batch_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        max_prompt_length=args.max_prompt_length, shard_size=args.shard_size, no_features=args.no_features,
+        num_features=args.num_features, chat_template_kwargs=args.chat_template_kwargs,
+    )
+    distill(distill_args)
+    train_args = argparse.Namespace(**vars(args))
+    train_args.data = str(out / "data")
+    train_args.output_dir = str(out / "train")
+    train_args.resume = "auto"
+    train_args.bf16 = args.bf16 or on_gpu
+    remaining = args.budget - (time.monotonic() - start)
+    train_args.time_budget = max(1.0, remaining * 0.95)  # leave room for the final save
+    for key in ("func", "prompts", "out", "budget", "distill_fraction", "limit", "eval_prompts"):
+        delattr(train_args, key)
+    summary = train(train_args)
+    if args.eval_prompts:
+        from .evaluate import evaluate
+
+        evaluate(argparse.Namespace(target=args.target, device=args.device, seed=args.seed, quiet=args.quiet,
+                                    draft=summary["final"], prompts=args.eval_prompts, limit=20,
+                                    block_sizes=[4, 8, 16], max_new_tokens=128, dtype=args.target_dtype,
+                                    draft_dtype="float32", chat_template_kwargs=args.chat_template_kwargs,
+                                    output=str(out / "eval.json")))
+    print(json.dumps(summary))
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-hf", description="DFlash drafter training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_distill_parser(sub)
+    add_train_parser(sub)
+    add_eval_parser(sub)
+    add_train_all_parser(sub)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+__all__ = ["add_distill_parser", "add_eval_parser", "add_train_all_parser", "add_train_parser", "build_parser", "main"]

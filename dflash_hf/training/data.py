@@ -1,0 +1,184 @@
+"""Prompts in, distilled shards out, and the training dataset that reads them back.
+
+Prompt files (JSONL, one object per line; malformed lines are reported as ``file:line`` and skipped):
+
+* ``{"id": ..., "turns": ["user turn 1", ...]}`` (MT-Bench style),
+* ShareGPT-like ``{"id": ..., "conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}`` (also
+  ``"messages"`` with ``role``/``content``),
+* ``{"prompt": "..."}`` or ``{"question": "..."}``.
+
+Only the **first user turn** is used: the target regenerates the answer (self-distillation), and later turns would
+need the target's own earlier answers. A ``.json`` file holding a list of such objects is read too.
+
+Shard layout (``shard-00000.safetensors``, written atomically, so an existing file is a finished shard)::
+
+    input_ids  int32 [T]        all sequences of the shard concatenated (prompt + response)
+    loss_mask  uint8 [T]        1 on response tokens the target generated (incl. its EOS), 0 on the prompt
+    offsets    int64 [n + 1]    sequence i is [offsets[i], offsets[i + 1])
+    features   bf16  [T, F*H]   optional: concatenated target hidden states hidden_states[l + 1], l in layer_ids
+
+Metadata (safetensors string map): ``ids`` (JSON list of prompt ids), ``target_layer_ids`` (JSON), ``format``.
+"""
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+SHARD_FORMAT = "dflash-hf-distill-v1"
+
+
+@dataclass
+class Prompt:
+    id: str
+    text: str
+
+
+def _first_user_turn(record: dict) -> str | None:
+    if isinstance(record.get("turns"), list) and record["turns"]:
+        turn = record["turns"][0]
+        return turn if isinstance(turn, str) else None
+    for key in ("conversations", "messages", "conversation"):
+        turns = record.get(key)
+        if isinstance(turns, list):
+            for turn in turns:
+                if not isinstance(turn, dict):
+                    return None
+                role = turn.get("from", turn.get("role"))
+                if role in ("human", "user"):
+                    text = turn.get("value", turn.get("content"))
+                    return text if isinstance(text, str) else None
+            return None
+    for key in ("prompt", "question", "instruction", "text"):
+        if isinstance(record.get(key), str):
+            return record[key]
+    return None
+
+
+def read_prompts(paths, limit: int | None = None) -> tuple[list[Prompt], list[str]]:
+    """All usable prompts of ``paths`` in order, and a ``file:line: reason`` entry per skipped line."""
+    prompts, problems = [], []
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        path = Path(path)
+        with path.open(encoding="utf-8") as handle:
+            if path.suffix == ".json":
+                records = [(i + 1, r) for i, r in enumerate(json.load(handle))]
+            else:
+                records = []
+                for number, line in enumerate(handle, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        records.append((number, json.loads(line)))
+                    except json.JSONDecodeError as error:
+                        problems.append(f"{path}:{number}: not JSON ({error.msg})")
+        for number, record in records:
+            text = _first_user_turn(record) if isinstance(record, dict) else None
+            if not text or not text.strip():
+                problems.append(f"{path}:{number}: no user turn found")
+                continue
+            prompt_id = record.get("id", record.get("question_id", f"{path.stem}:{number}"))
+            prompts.append(Prompt(id=str(prompt_id), text=text))
+            if limit is not None and len(prompts) >= limit:
+                return prompts, problems
+    return prompts, problems
+
+
+def shard_path(directory, index: int) -> Path:
+    return Path(directory) / f"shard-{index:05d}.safetensors"
+
+
+def write_shard(path, sequences: list[dict], ids: list[str], target_layer_ids: list[int] | None) -> None:
+    """Write one shard atomically (tmp file + rename). ``sequences``: dicts of ``input_ids``, ``loss_mask``,
+    optionally ``features`` (1D/2D tensors of equal length)."""
+    path = Path(path)
+    lengths = [len(s["input_ids"]) for s in sequences]
+    offsets = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    tensors = {
+        "input_ids": torch.cat([s["input_ids"].to(torch.int32) for s in sequences]),
+        "loss_mask": torch.cat([s["loss_mask"].to(torch.uint8) for s in sequences]),
+        "offsets": offsets,
+    }
+    if sequences and sequences[0].get("features") is not None:
+        tensors["features"] = torch.cat([s["features"].to(torch.bfloat16) for s in sequences]).contiguous()
+    metadata = {"format": SHARD_FORMAT, "ids": json.dumps(ids), "target_layer_ids": json.dumps(target_layer_ids)}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+class ShardDataset(torch.utils.data.Dataset):
+    """Sequences of every ``shard-*.safetensors`` under ``directory``, read lazily (features sliced per sequence).
+
+    ``item -> {"input_ids": long [T], "loss_mask": float [T], "features": bf16 [T, F*H] or absent}``, truncated to
+    ``max_length``.
+    """
+
+    def __init__(self, directory, max_length: int | None = None, load_features: bool = True):
+        self.paths = sorted(Path(directory).glob("shard-*.safetensors"))
+        if not self.paths:
+            raise FileNotFoundError(f"No shard-*.safetensors under {directory}: run `dflash-hf distill` first.")
+        self.max_length = max_length
+        self.index: list[tuple[int, int, int]] = []  # (shard, start, end)
+        self.has_features = load_features
+        self.target_layer_ids = None
+        self._tokens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for shard, path in enumerate(self.paths):
+            with safe_open(str(path), framework="pt") as handle:
+                offsets = handle.get_tensor("offsets").tolist()
+                self._tokens[shard] = (handle.get_tensor("input_ids"), handle.get_tensor("loss_mask"))
+                self.has_features = self.has_features and "features" in handle.keys()
+                meta = handle.metadata() or {}
+                if meta.get("target_layer_ids"):
+                    self.target_layer_ids = json.loads(meta["target_layer_ids"])
+            self.index.extend((shard, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, item: int) -> dict:
+        shard, start, end = self.index[item]
+        if self.max_length is not None:
+            end = min(end, start + self.max_length)
+        input_ids, loss_mask = self._tokens[shard]
+        sample = {"input_ids": input_ids[start:end].long(), "loss_mask": loss_mask[start:end].float()}
+        if self.has_features:
+            with safe_open(str(self.paths[shard]), framework="pt") as handle:
+                sample["features"] = handle.get_slice("features")[start:end]
+        return sample
+
+
+def collate(samples: list[dict], pad_token_id: int = 0) -> dict:
+    """Right-pad a list of samples: ``input_ids``/``loss_mask``/``attention_mask`` ``[b, S]``, ``features``
+    ``[b, S, F*H]`` when present. Right padding keeps positions ``0..len-1`` for every real token."""
+    seq_len = max(len(s["input_ids"]) for s in samples)
+    batch = len(samples)
+    input_ids = torch.full((batch, seq_len), pad_token_id, dtype=torch.long)
+    loss_mask = torch.zeros(batch, seq_len)
+    attention_mask = torch.zeros(batch, seq_len, dtype=torch.long)
+    features = None
+    if "features" in samples[0]:
+        width = samples[0]["features"].shape[-1]
+        features = torch.zeros(batch, seq_len, width, dtype=samples[0]["features"].dtype)
+    for i, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        input_ids[i, :n] = sample["input_ids"]
+        loss_mask[i, :n] = sample["loss_mask"]
+        attention_mask[i, :n] = 1
+        if features is not None:
+            features[i, :n] = sample["features"]
+    out = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+    if features is not None:
+        out["features"] = features
+    return out
+
+
+__all__ = ["Prompt", "ShardDataset", "collate", "read_prompts", "shard_path", "write_shard"]

@@ -1,0 +1,187 @@
+"""``dflash-hf distill``: the target answers the prompts; its answers (and optionally its features) become shards.
+
+Per shard of ``--shard-size`` prompts: chat template -> batched generation (left padding, greedy or temperature
+sampling, ``max_new_tokens``) -> **one teacher-forced target forward** over each ``prompt + response`` (right
+padding, batched) that captures ``hidden_states[l + 1]`` for the drafter's ``target_layer_ids``. The extra forward
+is cheap next to generation and gives exactly the features the target produces at verify time (capturing them during
+generation matches to cosine 0.99994, see cpu-training-notes), without threading hooks through ``generate``.
+
+Resumable: a shard file exists only once complete (tmp file + rename), so a rerun skips finished shards and a crash
+loses at most the shard in progress. ``manifest.json`` lists the finished shards. Multi-process: with ``RANK`` and
+``WORLD_SIZE`` set (torchrun), process ``r`` writes shards ``r, r + W, ...``.
+"""
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..configuration_dflash import build_target_layer_ids
+from ..generation_dflash import extract_context_feature
+from .data import Prompt, read_prompts, shard_path, write_shard
+
+logger = logging.getLogger(__name__)
+
+
+def load_target(path, dtype: str = "float32", device: str = "cpu"):
+    """A frozen target model and its tokenizer from a local folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def default_layer_ids(target_config, num_features: int) -> list[int]:
+    return build_target_layer_ids(target_config.get_text_config().num_hidden_layers, num_features)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    return eos
+
+
+def encode_prompt(tokenizer, text: str, chat_template_kwargs: dict | None = None) -> list[int]:
+    """The target's chat template around one user turn, with the generation prompt; plain text without a template."""
+    if tokenizer.chat_template:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]
+
+
+@torch.no_grad()
+def generate_responses(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float,
+                       eos: list[int], pad_id: int) -> list[list[int]]:
+    """Batched generation with left padding; each response is cut after its first EOS (inclusive)."""
+    device = model.device
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        attention_mask[i, width - len(ids):] = 1
+    sampling = temperature > 0
+    options = dict(max_new_tokens=max_new_tokens, do_sample=sampling, pad_token_id=pad_id, eos_token_id=eos or None)
+    if sampling:
+        options.update(temperature=temperature, top_k=0, top_p=1.0)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **options)
+    responses = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        responses.append(row[:cut])
+    return responses
+
+
+@torch.no_grad()
+def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[int], pad_id: int) -> list[torch.Tensor]:
+    """One batched forward (right padding) -> per sequence ``[T, F*H]`` bf16 features ``hidden_states[l + 1]``."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(sequences):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+    out = model(
+        input_ids=input_ids.to(model.device),
+        attention_mask=attention_mask.to(model.device),
+        output_hidden_states=[i + 1 for i in layer_ids],
+        logits_to_keep=1,
+    )
+    features = extract_context_feature(out.hidden_states, layer_ids).to(torch.bfloat16).cpu()
+    return [features[i, : len(ids)] for i, ids in enumerate(sequences)]
+
+
+def _write_manifest(out_dir: Path, info: dict) -> None:
+    done = sorted(p.name for p in out_dir.glob("shard-*.safetensors"))
+    tmp = out_dir / f".manifest.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({**info, "finished_shards": done}, indent=2))
+    os.replace(tmp, out_dir / "manifest.json")
+
+
+def distill(args) -> dict:
+    """Run distillation as configured by ``args`` (see `add_distill_parser`); returns a summary dict."""
+    torch.manual_seed(args.seed)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and world > 1:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+
+    prompts, problems = read_prompts(args.prompts, limit=args.limit)
+    for problem in problems:
+        logger.warning("skipped prompt line %s", problem)
+    model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
+    layer_ids = args.target_layer_ids or default_layer_ids(model.config, args.num_features)
+    eos = eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    chat_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
+
+    encoded: list[tuple[Prompt, list[int]]] = []
+    for prompt in prompts:
+        ids = encode_prompt(tokenizer, prompt.text, chat_kwargs)
+        if args.max_prompt_length and len(ids) > args.max_prompt_length:
+            problems.append(f"prompt {prompt.id}: {len(ids)} tokens > --max-prompt-length {args.max_prompt_length}")
+            logger.warning("skipped prompt %s: too long (%d tokens)", prompt.id, len(ids))
+            continue
+        encoded.append((prompt, ids))
+
+    num_shards = (len(encoded) + args.shard_size - 1) // args.shard_size
+    mine = [s for s in range(num_shards) if s % world == rank]
+    todo = [s for s in mine if not shard_path(out_dir, s).exists()]
+    info = dict(target=str(args.target), target_layer_ids=layer_ids, num_prompts=len(encoded), num_shards=num_shards,
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, dtype=args.dtype,
+                features=not args.no_features, skipped=problems)
+    logger.info("%d prompts, %d shards (%d already done), layer ids %s", len(encoded), num_shards,
+                len(mine) - len(todo), layer_ids)
+    start, written, tokens = time.monotonic(), [], 0
+    bar = tqdm(total=sum(min(args.shard_size, len(encoded) - s * args.shard_size) for s in todo), unit="prompt",
+               desc="distill", disable=rank != 0 or args.quiet)
+    for shard in todo:
+        if args.time_budget and time.monotonic() - start > args.time_budget:
+            logger.info("time budget reached; %d shards left for a rerun", len(todo) - len(written))
+            break
+        chunk = encoded[shard * args.shard_size : (shard + 1) * args.shard_size]
+        sequences = []
+        for b in range(0, len(chunk), args.batch_size):
+            batch = chunk[b : b + args.batch_size]
+            prompt_ids = [ids for _, ids in batch]
+            responses = generate_responses(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature,
+                                           eos, pad_id)
+            full = [p + r for p, r in zip(prompt_ids, responses)]
+            feats = None if args.no_features else teacher_forced_features(model, full, layer_ids, pad_id)
+            for i, (p, r) in enumerate(zip(prompt_ids, responses)):
+                sequences.append({
+                    "input_ids": torch.tensor(full[i]),
+                    "loss_mask": torch.tensor([0] * len(p) + [1] * len(r)),
+                    "features": None if feats is None else feats[i],
+                })
+                tokens += len(r)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - start, 1e-9):.0f}")
+        write_shard(shard_path(out_dir, shard), sequences, [p.id for p, _ in chunk], layer_ids)
+        written.append(shard)
+        if rank == 0:
+            _write_manifest(out_dir, info)
+    bar.close()
+    if rank == 0:
+        _write_manifest(out_dir, info)
+    return dict(written=written, skipped_shards=len(mine) - len(todo), problems=problems, new_tokens=tokens,
+                seconds=time.monotonic() - start)
+
+
+__all__ = ["distill", "encode_prompt", "generate_responses", "load_target", "teacher_forced_features"]

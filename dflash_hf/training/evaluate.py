@@ -1,0 +1,78 @@
+"""``dflash-hf eval``: acceptance length tau of a drafter on held-out prompts, greedy, per block size.
+
+For each block size the drafter's ``config.block_size`` is set before ``generate``; `DFlashCandidateGenerator` reads
+it when it is built (once per ``generate`` call), so one loaded drafter serves every size. tau is the mean number of
+tokens committed per verify round, the target's bonus token included (``draft.last_stats``), pooled over all rounds
+of all prompts; the histogram counts rounds by committed tokens ``0..B``.
+"""
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..generation_dflash import DFlashStats
+from ..modeling_dflash import DFlashDraftModel
+from .data import read_prompts
+from .distill import encode_prompt, load_target
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def acceptance(target, draft, prompt_ids: list[list[int]], block_size: int, max_new_tokens: int,
+               quiet: bool = True) -> dict:
+    """Greedy DFlash generation of every prompt at ``block_size``; pooled tau, histogram, per-position acceptance."""
+    original = draft.config.block_size
+    draft.config.block_size = block_size
+    lengths, proposed, seconds, new_tokens = [], [], 0.0, 0
+    try:
+        for ids in tqdm(prompt_ids, desc=f"eval B={block_size}", disable=quiet, leave=False):
+            input_ids = torch.tensor([ids], device=target.device)
+            start = time.monotonic()
+            out = target.generate(input_ids, assistant_model=draft, max_new_tokens=max_new_tokens, do_sample=False)
+            seconds += time.monotonic() - start
+            new_tokens += out.shape[1] - len(ids)
+            lengths += draft.last_stats.acceptance_lengths
+            proposed += draft.last_stats.proposed_lengths
+    finally:
+        draft.config.block_size = original
+    pooled = DFlashStats(block_size, acceptance_lengths=lengths, proposed_lengths=proposed)
+    return {
+        "block_size": block_size,
+        "tau": pooled.mean_acceptance_length,
+        "rounds": pooled.num_rounds,
+        "histogram": pooled.histogram,
+        "per_position_acceptance": pooled.per_position_acceptance,
+        "new_tokens": new_tokens,
+        "tokens_per_s": new_tokens / seconds if seconds else 0.0,
+    }
+
+
+def evaluate(args) -> dict:
+    """Run ``dflash-hf eval`` as configured by ``args`` (see `add_eval_parser`); returns and optionally writes JSON."""
+    torch.manual_seed(0)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
+    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=getattr(torch, args.draft_dtype)).to(device).eval()
+    prompts, problems = read_prompts(args.prompts, limit=args.limit)
+    for problem in problems:
+        logger.warning("skipped prompt line %s", problem)
+    chat_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
+    prompt_ids = [encode_prompt(tokenizer, p.text, chat_kwargs) for p in prompts]
+    results = {"draft": str(args.draft), "target": str(args.target), "num_prompts": len(prompt_ids),
+               "max_new_tokens": args.max_new_tokens, "results": []}
+    for block_size in args.block_sizes:
+        result = acceptance(target, draft, prompt_ids, block_size, args.max_new_tokens, quiet=args.quiet)
+        results["results"].append(result)
+        print(f"B={block_size:>2}  tau={result['tau']:.3f}  rounds={result['rounds']}  "
+              f"histogram={result['histogram']}  tok/s={result['tokens_per_s']:.1f}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2))
+    return results
+
+
+__all__ = ["acceptance", "evaluate"]

@@ -1,0 +1,342 @@
+"""Training: block pictures and the two PR #473 pitfalls, labels, over-fit gate, distill/train resume, DDP, eval."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf.training.blocks import (
+    block_labels_and_weights,
+    build_block_inputs,
+    build_block_mask,
+    render_mask,
+    sample_anchors,
+)
+from dflash_hf.training.cli import build_parser
+from dflash_hf.training.data import ShardDataset, collate
+from dflash_hf.training.trainer import block_loss, warm_start_from_target
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_target import make_target, mask_token_id, write_prompts  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+MASK = 259  # "<mask>" in the tiny tokenizer
+LAYERS = "0,2"
+
+
+# ------------------------------------------------------------------------------------------------ invariants
+def check_block_mask(mask, anchors, keep, seq_len, block_size):
+    """What the drafter may see, stated independently of build_block_mask; raises AssertionError on a violation."""
+    batch, num = anchors.shape
+    for i in range(batch):
+        for row in range(num * block_size):
+            n = row // block_size
+            visible = mask[i, 0, row]
+            context = visible[:seq_len].nonzero().flatten().tolist()
+            blocks = (visible[seq_len:].nonzero().flatten() // block_size).tolist()
+            if keep[i, n]:
+                assert context == list(range(int(anchors[i, n]))), f"row {row}: context {context}"
+            else:
+                assert context == [], "a padded block sees context"
+            assert blocks and set(blocks) == {n}, f"row {row} sees blocks {set(blocks)}"
+            assert int(visible[seq_len:].sum()) == block_size, "not bidirectional inside the block"
+
+
+def check_labels(labels, position_ids, input_ids, weights, seq_len):
+    """Row r predicts the token at its own position (no shift), wherever it carries weight."""
+    block_pos = position_ids[:, seq_len:]
+    for i in range(labels.shape[0]):
+        for r in range(labels.shape[1]):
+            if weights[i, r] > 0:
+                assert labels[i, r] == input_ids[i, block_pos[i, r]], f"row {r} is not same-position"
+
+
+# --------------------------------------------------------------------------------------------- block pictures
+def test_mask_picture_and_padding():
+    anchors, keep = torch.tensor([[2, 4], [3, 0]]), torch.tensor([[True, True], [True, False]])
+    mask = build_block_mask(anchors, keep, seq_len=6, block_size=2)
+    assert mask.shape == (2, 1, 4, 10) and mask.dtype == torch.bool
+    #        context | b0 b1
+    assert render_mask(mask[0, 0]) == [
+        "##....##..",  # block 0 (anchor 2): context 0..1 only (never its own anchor), itself
+        "##....##..",
+        "####....##",  # block 1 (anchor 4): context 0..3, itself, never block 0
+        "####....##",
+    ]
+    assert render_mask(mask[1, 0]) == [
+        "###...##..",
+        "###...##..",
+        "........##",  # padded block: only itself (no empty row -> no NaN), no context
+        "........##",
+    ]
+    check_block_mask(mask, anchors, keep, 6, 2)
+
+
+def test_mask_off_by_one_is_caught():
+    anchors, keep = torch.tensor([[2, 4]]), torch.ones(1, 2, dtype=torch.bool)
+    good = build_block_mask(anchors, keep, 6, 2)
+    leaky = good.clone()  # the pre-PR-#473 rule: kv <= anchor
+    for n, a in enumerate(anchors[0].tolist()):
+        leaky[0, 0, n * 2 : n * 2 + 2, a] = True
+    assert render_mask(leaky[0, 0])[0] == "###...##.." != render_mask(good[0, 0])[0]
+    with pytest.raises(AssertionError):
+        check_block_mask(leaky, anchors, keep, 6, 2)
+    cross = good.clone()
+    cross[0, 0, 2, 6] = True  # block 1 peeks at block 0
+    with pytest.raises(AssertionError):
+        check_block_mask(cross, anchors, keep, 6, 2)
+
+
+def test_block_inputs_labels_and_weights():
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0]])
+    anchors, keep = torch.tensor([[2, 5, 0]]), torch.tensor([[True, True, False]])
+    noise, positions = build_block_inputs(input_ids, anchors, 3, MASK, keep)
+    assert noise.tolist() == [[12, MASK, MASK, 15, MASK, MASK, MASK, MASK, MASK]]
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 2, 3, 4, 5, 6, 7, 0, 1, 2]]
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, 3, gamma=2.0)
+    assert labels.tolist() == [[12, 13, 14, 15, 16, 17, 10, 11, 12]]  # same position: row k -> input_ids[a + k]
+    decay = torch.exp(-torch.tensor(1.0) / 2)
+    expected = torch.tensor([[0, 1, decay, 0, 1, 0, 0, 0, 0]])  # anchor rows 0; 17 is prompt/pad; padding 0
+    torch.testing.assert_close(weights, expected)
+    check_labels(labels, positions, input_ids, weights, 8)
+    shifted = torch.roll(input_ids, -1, dims=1).gather(1, positions[:, 8:])  # the pre-PR-#473 labels
+    with pytest.raises(AssertionError):
+        check_labels(shifted, positions, input_ids, weights, 8)
+    # out of bounds: a block hanging off the end gets zero weight there
+    labels, weights = block_labels_and_weights(input_ids, torch.ones(1, 8), torch.tensor([[6]]),
+                                               torch.tensor([[True]]), 3, gamma=None)
+    assert labels.tolist() == [[16, 17, 0]] and weights.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_sample_anchors():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
+    for seed in range(20):
+        anchors, keep = sample_anchors(loss_mask, 4, 3, torch.Generator().manual_seed(seed))
+        assert anchors.shape == (2, 3)
+        for i in range(2):
+            kept = anchors[i][keep[i]].tolist()
+            assert kept == sorted(set(kept))
+            assert all(loss_mask[i, a] == 1 and a <= 10 - 4 for a in kept)
+        assert keep[0].all() and keep[1].tolist() == [True, False, False] and anchors[1].tolist() == [6, 0, 0]
+    a, _ = sample_anchors(loss_mask, 4, 3, torch.Generator().manual_seed(1))
+    b, _ = sample_anchors(loss_mask, 4, 3, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    seen = {tuple(sample_anchors(loss_mask[:1], 4, 2, torch.Generator().manual_seed(s))[0][0].tolist())
+            for s in range(60)}
+    assert len(seen) > 5  # really random: C(5, 2) = 10 pairs
+
+
+# -------------------------------------------------------------------------------------------- tiny models
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_target(root / "target")
+    prompts = write_prompts(root / "prompts.jsonl", 6, bad_lines=1)
+    main(["distill", "--target", str(target), "--prompts", str(prompts), "--out", str(root / "data"),
+          "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "40", "--target-layer-ids", LAYERS])
+    return root
+
+
+def main(argv):
+    args = build_parser().parse_args(argv + ["--quiet", "--threads", "1"])
+    return args.func(args)
+
+
+def train_argv(work, out, *extra):
+    return ["train", "--target", str(work / "target"), "--data", str(work / "data"), "--output-dir", str(out),
+            "--mask-token-id", str(MASK), "--num-draft-layers", "1", "--block-size", "8", "--num-anchors", "16",
+            "--log-every", "5", *extra]
+
+
+def test_draft_forward_with_block_mask_equals_one_block_at_a_time():
+    """All blocks in one masked forward == each block drafted alone from the context before its anchor."""
+    torch.manual_seed(0)
+    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=50, block_size=4, target_layer_ids=[0, 1],
+                          mask_token_id=49)
+    draft = DFlashDraftModel(config).eval()
+    seq_len, block = 12, 4
+    embed = torch.nn.Embedding(50, 32)
+    input_ids = torch.randint(0, 49, (1, seq_len))
+    features = torch.randn(1, seq_len, 64)
+    anchors, keep = torch.tensor([[1, 5, 8]]), torch.ones(1, 3, dtype=torch.bool)
+    noise, positions = build_block_inputs(input_ids, anchors, block, 49, keep)
+    mask = build_block_mask(anchors, keep, seq_len, block)
+    with torch.no_grad():
+        together = draft(noise_embedding=embed(noise), target_hidden=features, position_ids=positions,
+                         attention_mask=mask).last_hidden_state
+        for n, a in enumerate(anchors[0].tolist()):
+            ids = noise[:, n * block : (n + 1) * block]
+            alone = draft(noise_embedding=embed(ids), target_hidden=features[:, :a],
+                          position_ids=torch.arange(a + block)[None]).last_hidden_state
+            torch.testing.assert_close(together[:, n * block : (n + 1) * block], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_overfit_one_sequence(work):
+    """The pipeline can learn: one sequence, ~100% accuracy at every block position."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_pretrained(work / "target").eval().requires_grad_(False)
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=MASK, num_hidden_layers=1, block_size=8,
+                                             target_layer_ids=[0, 2])
+    draft = DFlashDraftModel(config).train()
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 250, (1, 40), generator=gen)  # a random sequence: nothing to guess, all memory
+    loss_mask = torch.zeros(1, 40)
+    loss_mask[:, 8:] = 1
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(input_ids)}
+    with torch.no_grad():
+        out = target(input_ids=input_ids, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[1], out.hidden_states[3]], dim=-1)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(120):
+        loss, stats = block_loss(draft, target.get_input_embeddings(), target.get_output_embeddings(), batch,
+                                 features, block_size=8, num_anchors=32, mask_token_id=MASK, gamma=4.0,
+                                 generator=gen)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    accuracy = stats["correct"][1:] / stats["count"][1:]
+    # The tiny target's random lm_head (std 0.02) caps logit margins, so the loss floor is high; accuracy is the gate.
+    assert (accuracy > 0.95).all() and losses[-1] < 0.7 * losses[0], (losses[0], losses[-1], accuracy)
+
+
+def test_distill_shards_resume_and_bad_lines(work, capsys):
+    data = work / "data"
+    shards = sorted(data.glob("shard-*.safetensors"))
+    assert [p.name for p in shards] == ["shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"]
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["target_layer_ids"] == [0, 2] and len(manifest["finished_shards"]) == 3
+    assert manifest["skipped"] == [f"{work / 'prompts.jsonl'}:2: not JSON (Expecting property name enclosed in "
+                                   "double quotes)"]
+    # features == a teacher-forced forward of the target on the stored sequence
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(work / "target").eval()
+    sample = ShardDataset(data)[0]
+    assert sample["loss_mask"].sum() > 0 and sample["loss_mask"][0] == 0
+    with torch.no_grad():
+        hs = target(input_ids=sample["input_ids"][None], output_hidden_states=True).hidden_states
+    expected = torch.cat([hs[1], hs[3]], dim=-1)[0].to(torch.bfloat16)
+    torch.testing.assert_close(sample["features"].float(), expected.float(), atol=0.05, rtol=0.02)
+    # rerun: finished shards are skipped (untouched); a lost shard is redone; the bad line is reported again
+    stamps = {p.name: p.stat().st_mtime_ns for p in shards}
+    shards[1].unlink()
+    summary = main(["distill", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--out",
+                    str(data), "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "40",
+                    "--target-layer-ids", LAYERS])
+    assert summary["written"] == [1] and summary["skipped_shards"] == 2
+    assert any(":2: not JSON" in p for p in summary["problems"])
+    assert shards[0].stat().st_mtime_ns == stamps[shards[0].name]
+    assert shards[1].exists()
+
+
+def test_resume_gives_identical_state(work, tmp_path):
+    straight = main(train_argv(work, tmp_path / "a", "--max-steps", "6", "--save-every", "0"))
+    first = main(train_argv(work, tmp_path / "b", "--max-steps", "6", "--stop-after", "3"))
+    assert first["step"] == 3 and (tmp_path / "b" / "latest").read_text().strip() == "checkpoints/step-0000003"
+    second = main(train_argv(work, tmp_path / "b", "--max-steps", "6", "--resume", "auto"))
+    assert straight["step"] == second["step"] == 6
+    a = load_file(tmp_path / "a" / "checkpoints" / "step-0000006" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "checkpoints" / "step-0000006" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state_a = torch.load(tmp_path / "a" / "checkpoints" / "step-0000006" / "trainer_state.pt", weights_only=False)
+    state_b = torch.load(tmp_path / "b" / "checkpoints" / "step-0000006" / "trainer_state.pt", weights_only=False)
+    for pa, pb in zip(state_a["optimizer"]["state"].values(), state_b["optimizer"]["state"].values()):
+        assert torch.equal(pa["exp_avg"], pb["exp_avg"])
+    ckpt = tmp_path / "b" / "checkpoints" / "step-0000006"
+    assert {"config.json", "model.safetensors", "modeling_dflash.py", "trainer_state.pt", "rng-rank0.pt",
+            "training_args.json"} <= {p.name for p in ckpt.iterdir()}
+    log = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [5, 6] and (tmp_path / "b" / "curves.png").exists()
+
+
+def test_online_features_warm_start_and_grad_accum(work, tmp_path):
+    summary = main(train_argv(work, tmp_path / "online", "--max-steps", "2", "--online-features", "--warm-start",
+                              "--grad-accum", "2", "--batch-size", "2"))
+    assert summary["step"] == 2 and summary["blocks"] > 0
+
+
+def test_trained_drafter_beats_untrained(work, tmp_path):
+    from dflash_hf.training.evaluate import acceptance
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_hf.training.distill import encode_prompt
+
+    run = tmp_path / "run"
+    summary = main(train_argv(work, run, "--max-steps", "80", "--lr", "3e-3", "--sample-positions", "--bf16",
+                              "--final-dtype", "float32"))
+    assert summary["step"] == 80
+    target = AutoModelForCausalLM.from_pretrained(work / "target").eval()
+    tokenizer = AutoTokenizer.from_pretrained(work / "target")
+    prompts = [encode_prompt(tokenizer, f"Tell me about topic {i}.") for i in (0, 3)]
+    trained = DFlashDraftModel.from_pretrained(run / "final").eval()
+    torch.manual_seed(0)
+    untrained = DFlashDraftModel(trained.config).eval()
+    good = acceptance(target, trained, prompts, block_size=8, max_new_tokens=32)
+    bad = acceptance(target, untrained, prompts, block_size=8, max_new_tokens=32)
+    assert len(good["histogram"]) == 9  # the generator used block_size 8
+    print(f"tau trained {good['tau']:.2f} vs untrained {bad['tau']:.2f}")
+    assert good["tau"] > bad["tau"] + 0.5, (good["tau"], bad["tau"])
+    four = acceptance(target, trained, prompts, block_size=4, max_new_tokens=32)
+    assert len(four["histogram"]) == 5 and max(i for i, c in enumerate(four["histogram"]) if c) <= 4
+
+
+def test_warm_start_llama_target(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(make_target(tmp_path / "llama", arch="llama"))
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=MASK, num_hidden_layers=2, block_size=4,
+                                             target_layer_ids=[0, 1])
+    draft = DFlashDraftModel(config)
+    copied = warm_start_from_target(draft, target)
+    assert torch.equal(draft.layers[1].self_attn.q_proj.weight, target.model.layers[3].self_attn.q_proj.weight)
+    assert torch.equal(draft.layers[0].mlp.down_proj.weight, target.model.layers[2].mlp.down_proj.weight)
+    assert torch.equal(draft.norm.weight, target.model.norm.weight)
+    assert not any("q_norm" in name for name in copied)  # Llama has none: they stay ones
+    assert torch.equal(draft.layers[0].self_attn.q_norm.weight, torch.ones(16))
+
+
+def test_train_all_on_cpu_with_tiny_budget(work, tmp_path):
+    out = tmp_path / "all"
+    summary = main(["train-all", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"),
+                    "--out", str(out), "--budget", "6", "--mask-token-id", str(MASK), "--num-draft-layers", "1",
+                    "--block-size", "8", "--num-anchors", "8", "--max-new-tokens", "24", "--shard-size", "3",
+                    "--target-layer-ids", LAYERS, "--final-max-shard-size", "20KB", "--max-steps", "100000"])
+    assert summary["stopped_by_budget"]
+    files = sorted(p.name for p in (out / "train" / "final").iterdir())
+    weights = [p for p in (out / "train" / "final").glob("*.safetensors")]
+    assert len(weights) > 1 and all(p.stat().st_size <= 20_000 for p in weights), files
+    assert "model.safetensors.index.json" in files
+    reloaded = DFlashDraftModel.from_pretrained(out / "train" / "final")
+    assert reloaded.dtype == torch.bfloat16 and reloaded.config.mask_token_id == MASK
+
+
+def test_torchrun_two_processes_gloo(work, tmp_path):
+    out = tmp_path / "ddp"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    with socket.socket() as probe:  # a free port: other test runs may share the machine
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+           "-m", "dflash_hf.training", *train_argv(work, out, "--max-steps", "3", "--quiet", "--threads", "1")]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ckpt = out / "checkpoints" / "step-0000003"
+    assert (ckpt / "rng-rank0.pt").exists() and (ckpt / "rng-rank1.pt").exists()
+    assert torch.load(ckpt / "trainer_state.pt", weights_only=False)["world_size"] == 2
+    assert (out / "final" / "model.safetensors").exists()

@@ -67,16 +67,72 @@ def _run_generate(args) -> None:
     run_generate(args)
 
 
-def _add_bench_parser(subparsers) -> None:
-    from .bench_cli import add_bench_parser
+def _add_card_parser(subparsers) -> None:
+    p = subparsers.add_parser("card", help="write a Hub model card (README.md) into a drafter folder")
+    p.add_argument("draft_dir")
+    p.add_argument("--target", dest="target_name", help="the target's Hub id or name (base_model)")
+    p.add_argument("--draft-name", help="the drafter's Hub id used in the usage snippets")
 
-    add_bench_parser(subparsers)
+
+def _run_card(args) -> None:
+    from .hub import write_model_card
+
+    print(write_model_card(args.draft_dir, target_name=args.target_name, draft_name=args.draft_name))
+
+
+def _add_convert_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="convert a drafter between the z-lab layout and transformers' built-in drafter layout"
+    )
+    p.add_argument("src_dir")
+    p.add_argument("dst_dir")
+    p.add_argument("--to", choices=["builtin", "zlab"], required=True)
+
+
+def _run_convert(args) -> None:
+    from .hub import convert_checkpoint
+
+    print(convert_checkpoint(args.src_dir, args.dst_dir, to=args.to))
+
+
+def _add_push_parser(subparsers) -> None:
+    p = subparsers.add_parser("push", help="validate a drafter folder and upload it to the Hub")
+    p.add_argument("draft_dir")
+    p.add_argument("repo_id")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded, upload nothing")
+    p.add_argument("--private", action="store_true")
+
+
+def _run_push(args) -> None:
+    from .hub import push_to_hub
+
+    for name, size in push_to_hub(args.draft_dir, args.repo_id, dry_run=args.dry_run, private=args.private):
+        print(f"{size:>12,d}  {name}")
+    print("dry run: nothing uploaded" if args.dry_run else f"uploaded to {args.repo_id}")
+
+
+def _delegated(module: str, adder: str):
+    """A subcommand whose parser lives next to its logic and sets ``func``."""
+
+    def add(subparsers) -> None:
+        import importlib
+
+        getattr(importlib.import_module(module, __package__), adder)(subparsers)
+
+    return add, lambda args: args.func(args)
 
 
 _SUBCOMMANDS = {
     "prepare": (_add_prepare_parser, _run_prepare),
     "generate": (_add_generate_parser, _run_generate),
-    "bench": (_add_bench_parser, lambda args: args.func(args)),
+    "distill": _delegated(".training.cli", "add_distill_parser"),
+    "train": _delegated(".training.cli", "add_train_parser"),
+    "eval": _delegated(".training.cli", "add_eval_parser"),
+    "train-all": _delegated(".training.cli", "add_train_all_parser"),
+    "bench": _delegated(".bench_cli", "add_bench_parser"),
+    "card": (_add_card_parser, _run_card),
+    "convert": (_add_convert_parser, _run_convert),
+    "push": (_add_push_parser, _run_push),
 }
 
 

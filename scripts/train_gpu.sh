@@ -27,6 +27,6 @@ LAUNCH=("$PYTHON")
 if [ "$NGPUS" -gt 1 ]; then
   LAUNCH=("$PYTHON" -m torch.distributed.run --nproc_per_node "$NGPUS")
 fi
-exec "${LAUNCH[@]}" -m dflash_hf.training train-all \
+exec "${LAUNCH[@]}" -m dflash_hf train-all \
   --target "$TARGET" --prompts "$PROMPTS" --out "$OUT" --budget "$BUDGET" --mask-token-id "$MASK" \
   --device "$DEVICE" --final-max-shard-size 15MB "${GPU_FLAGS[@]}" "$@"

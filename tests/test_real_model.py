@@ -27,7 +27,7 @@ def random_drafter(target, block_size=16, dtype=torch.float32):
 
 
 def chat_prompts(tokenizer):
-    for name in ("gsm8k", "humaneval", "mtbench"):
+    for name in ("gsm8k", "humaneval", "mtbench", "sharegpt"):
         for record in load_prompts(name, limit=2):
             yield name, encode_chat(tokenizer, record["turns"])
 

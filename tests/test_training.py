@@ -19,7 +19,7 @@ from dflash_hf.training.blocks import (
     render_mask,
     sample_anchors,
 )
-from dflash_hf.training.cli import build_parser
+from dflash_hf.cli import build_parser
 from dflash_hf.training.data import ShardDataset, collate
 from dflash_hf.training.trainer import block_loss, warm_start_from_target
 
@@ -333,7 +333,7 @@ def test_torchrun_two_processes_gloo(work, tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           "-m", "dflash_hf.training", *train_argv(work, out, "--max-steps", "3", "--quiet", "--threads", "1")]
+           "-m", "dflash_hf", *train_argv(work, out, "--max-steps", "3", "--quiet", "--threads", "1")]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     ckpt = out / "checkpoints" / "step-0000003"

@@ -1,12 +1,6 @@
 """Argument parsers for ``dflash-hf distill | train | eval | train-all``; each sets ``func`` to its runner.
 
-Wire them into a top-level CLI with::
-
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_distill_parser(sub); add_train_parser(sub); add_eval_parser(sub); add_train_all_parser(sub)
-    args = parser.parse_args(); args.func(args)
-
-``python -m dflash_hf.training ...`` runs the same commands without the top-level CLI.
+`dflash_hf.cli` registers them as subcommands of ``dflash-hf``.
 """
 
 import argparse
@@ -238,19 +232,4 @@ def run_train_all(args):
     return summary
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-hf", description="DFlash drafter training")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_distill_parser(sub)
-    add_train_parser(sub)
-    add_eval_parser(sub)
-    add_train_all_parser(sub)
-    return parser
-
-
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-__all__ = ["add_distill_parser", "add_eval_parser", "add_train_all_parser", "add_train_parser", "build_parser", "main"]
+__all__ = ["add_distill_parser", "add_eval_parser", "add_train_all_parser", "add_train_parser"]

@@ -129,7 +129,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
                 f"DFlash through generate() serves one sequence at a time, got a batch of {input_ids.shape[0]}: "
                 "call generate once per prompt."
             )
-        past = model_kwargs.get("past_key_values")
+        past = model_kwargs.get("past_key_values", model_kwargs.get("cache"))  # renamed in transformers 5.24
         if past is not None and past.get_seq_length() > 0:
             raise ValueError(
                 "DFlash needs the target to prefill the whole prompt (the drafter reads its hidden states), but "
@@ -315,6 +315,11 @@ def install_dflash_dispatch() -> None:
                 raise ValueError(
                     "output_attentions=True with speculative decoding needs the target loaded with "
                     "attn_implementation='eager'."
+                )
+            if generation_config.cache_implementation in ("static", "offloaded_static", "hybrid", "sliding_window"):
+                raise ValueError(
+                    "DFlash rolls the target's cache back after every round and needs a dynamic cache: drop "
+                    f"cache_implementation={generation_config.cache_implementation!r}."
                 )
             check_drafter_fits_target(assistant, self)
         return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)

@@ -178,6 +178,7 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
         *,
         noise_embeds: torch.Tensor | None = None,
         context_hidden_states: torch.Tensor | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         r"""
@@ -190,8 +191,11 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
         attention_mask: a 4D mask ``[b, 1, Q, cache + C + Q]`` (additive, or boolean for SDPA) is used as given
             (training uses one to keep blocks apart); a 2D padding mask ``[b, cache + C + Q]`` becomes a key mask;
             ``None`` means every block row sees every key. Sliding-window layers add their window to it.
+        noise_embeds, context_hidden_states, cache: the built-in generator's names (``cache`` is what
+            transformers 5.24 calls ``past_key_values``).
         """
         cache_block = noise_embeds is not None  # transformers' built-in contract: it crops the block itself
+        past_key_values = past_key_values if past_key_values is not None else cache
         noise = noise_embeds if cache_block else noise_embedding
         features = context_hidden_states if cache_block else target_hidden
         if noise is None or features is None:

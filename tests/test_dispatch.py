@@ -96,7 +96,7 @@ def test_unsupported_combinations_are_refused():
             random_prompt(0), max_new_tokens=4, assistant_model=drafter, output_attentions=True,
             return_dict_in_generate=True,
         )  # fmt: skip
-    with pytest.raises(ValueError, match="Static cache"):
+    with pytest.raises(ValueError, match="needs a dynamic cache"):
         target.generate(random_prompt(0), max_new_tokens=4, assistant_model=drafter, cache_implementation="static")
     padded = random_prompt(0)
     with pytest.raises(ValueError, match="unpadded"):

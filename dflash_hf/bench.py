@@ -56,6 +56,7 @@ class OracleDrafter(DFlashDrafterMixin, nn.Module):
     def __init__(self, drafter):
         super().__init__()
         self.config = drafter.config
+        self.device, self.dtype = drafter.device, drafter.dtype
         self.reference: torch.LongTensor | None = None
 
     def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):

@@ -4,6 +4,8 @@ import argparse
 import time
 
 from .bench import ALL_METHODS
+from .errors import DFlashUserError
+from .loading import load_drafter, load_target
 
 DATASETS = ("gsm8k", "humaneval", "mtbench")
 QUICK = {"num_prompts": 2, "max_new_tokens": 32, "repeats": 1, "verify_repeats": 3, "context_len": 128}
@@ -53,11 +55,15 @@ def run_bench(args) -> None:
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
-    dtype = getattr(torch, args.dtype)
-    target, tokenizer, target_name = load_target(args.target, dtype)
+    target, tokenizer = load_target(args.target, args.dtype)
+    target_name = args.target or "default"
     methods = [m for m in args.methods.split(",") if m]
     needs_drafter = any(m in ("dflash", "dflash_builtin", "oracle") for m in methods)
-    drafter, draft_name = load_drafter(args.draft, target, tokenizer, dtype) if needs_drafter else (None, None)
+    drafter = load_drafter(args.draft, target, args.dtype, tokenizer) if needs_drafter else None
+    if needs_drafter and drafter is None:
+        raise DFlashUserError("no drafter is shipped for the default target yet: pass --draft PATH, --draft random, "
+                              "or --methods greedy,pld3,pld10")
+    draft_name = args.draft or "default"
     if drafter is not None and args.block_size:
         drafter.config.block_size = args.block_size
     prompts = load_bench_prompts(tokenizer, args.datasets.split(","), args.num_prompts, chat=not args.no_chat)
@@ -68,38 +74,6 @@ def run_bench(args) -> None:
     paths = write_report(result, args.out)
     print(paths["markdown"].read_text())
     print("\n".join(f"{kind}: {path}" for kind, path in paths.items()))
-
-
-def load_target(path, dtype):
-    """``(model, tokenizer, name)``; without ``path``, the default target from `dflash_hf.assets`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if path is None:
-        from .assets import prepare_default_target
-
-        path = prepare_default_target()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    return model, AutoTokenizer.from_pretrained(path), str(path)
-
-
-def load_drafter(path, target, tokenizer, dtype):
-    """``(drafter, name)`` from ``path``, the shipped default, or ``'random'`` (an untrained drafter)."""
-    from .modeling_dflash import DFlashDraftModel
-
-    if path == "random":
-        from .configuration_dflash import DFlashConfig
-
-        mask = tokenizer.unk_token_id if tokenizer.unk_token_id is not None else tokenizer.pad_token_id or 0
-        config = DFlashConfig.from_target_config(target.config, mask_token_id=mask)
-        return DFlashDraftModel(config).to(dtype).eval(), "random"
-    if path is None:
-        from .assets import default_draft_path
-
-        path = default_draft_path()
-        if path is None:
-            raise ValueError("no drafter found for the default target: pass --draft PATH, --draft random, or "
-                             "--methods greedy,pld3,pld10")
-    return DFlashDraftModel.from_pretrained(path, dtype=dtype).eval(), str(path)
 
 
 def load_bench_prompts(tokenizer, datasets, limit, chat=True):

@@ -123,7 +123,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
     requires_model_outputs = True
 
     def __init__(self, drafter, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
-        check_drafter_fits_target(drafter, target)
+        # The drafter was checked against the target before generation started (`_validate_generation_mode`).
         if input_ids.shape[0] != 1:
             raise ValueError(
                 f"DFlash through generate() serves one sequence at a time, got a batch of {input_ids.shape[0]}: "
@@ -149,7 +149,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # (a partial list there breaks transformers' per-token output splitting).
         capture = True if generation_config.output_hidden_states else [i + 1 for i in self.layer_ids]
         self.model_kwargs_overrides = {"output_hidden_states": capture}
-        self.mask_ids = torch.full((1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long)
+        self.draft_device, self.draft_dtype = drafter.device, drafter.dtype
+        self.mask_ids = torch.full(
+            (1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long, device=input_ids.device
+        )
         self.stop_strings = (
             StopStringCriteria(target_tokenizer, generation_config.stop_strings)
             if generation_config.stop_strings and target_tokenizer is not None
@@ -187,13 +190,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     def _draft(self, input_ids, num_drafts) -> torch.LongTensor:
         """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` -> ``[1, num_drafts]`` argmax proposals."""
-        device = self.drafter.device
+        device = self.draft_device
         context = torch.cat(self.pending_context, dim=1).to(device)
         self.pending_context = []
         anchor = input_ids.shape[1] - 1
         position_ids = torch.arange(self.cache.get_seq_length(), anchor + self.block_size, device=device)[None]
-        block_ids = torch.cat([input_ids[:, -1:], self.mask_ids.to(input_ids.device)], dim=-1)
-        noise = self.embed_tokens(block_ids).to(device=device, dtype=self.drafter.dtype)
+        block_ids = torch.cat([input_ids[:, -1:], self.mask_ids], dim=-1)
+        noise = self.embed_tokens(block_ids).to(device=device, dtype=self.draft_dtype)
         with torch.no_grad():
             hidden = self.drafter(
                 noise_embedding=noise,

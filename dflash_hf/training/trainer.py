@@ -266,7 +266,7 @@ def plot_curves(log_path: Path, png_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------------- train
 def train(args) -> dict:
     """Run training as configured by ``args`` (see `add_train_parser`); returns a summary dict."""
-    from .distill import load_target
+    from ..loading import load_target
 
     rank, world, device = setup_distributed(args.device)
     out_dir = Path(args.output_dir)

@@ -8,6 +8,7 @@ from .configuration_dflash import DFlashConfig, build_target_layer_ids
 from .generation_dflash import (
     DFlashCandidateGenerator,
     DFlashStats,
+    DraftLengthController,
     check_drafter_fits_target,
     extract_context_feature,
     install_dflash_dispatch,
@@ -25,6 +26,7 @@ __all__ = [
     "DFlashConfig",
     "DFlashDraftModel",
     "DFlashStats",
+    "DraftLengthController",
     "build_target_layer_ids",
     "check_drafter_fits_target",
     "extract_context_feature",

@@ -53,6 +53,8 @@ class OracleCandidateGenerator(DFlashCandidateGenerator):
 class OracleDrafter(DFlashDrafterMixin, nn.Module):
     """A weightless stand-in for ``drafter`` whose generator proposes ``reference`` (``[1, prompt + new]``)."""
 
+    adaptive_block_size = False  # the ceiling is measured at the drafter's full block
+
     def __init__(self, drafter):
         super().__init__()
         self.config = drafter.config

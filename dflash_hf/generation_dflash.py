@@ -20,6 +20,7 @@ assistant, and ``speculation_type="dflash"`` (transformers' own DFlash generator
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -111,6 +112,58 @@ def check_drafter_fits_target(drafter, target) -> None:
         )
 
 
+class DraftLengthController:
+    """Adaptive block size: how many drafts to propose next round, from measured costs and recent acceptance.
+
+    A round that proposes ``k`` drafts commits ``E[k] = 1 + sum_{j<=k} prod_{i<=j} p_i`` tokens on average, where
+    ``p_i`` is the recent rate at which draft ``i`` is accepted given that drafts ``1..i-1`` were; it costs
+    ``cost[k]`` seconds, measured on this target in this call (drafter forward + verifying ``k + 1`` tokens + glue).
+    When all ``k`` drafts are accepted, draft ``k + 1`` (drafted, not proposed) is judged against the target's own
+    token, so the estimates can climb towards longer blocks.
+    The controller proposes the ``k`` with the most tokens per second, ``k = 0`` being plain decoding. Every candidate
+    ``k`` is measured once, largest first; while plain decoding wins, a short draft is re-tried with exponential
+    back-off so that a drafter that starts to fit the text is noticed without paying a probe every few rounds.
+    """
+
+    def __init__(self, max_drafts: int, rate: float = 0.3, first_probe: int = 8):
+        self.candidates = sorted({0, max_drafts} | {2**i - 1 for i in range(2, 10) if 2**i - 1 < max_drafts})
+        self.rate, self.first_probe = rate, first_probe
+        self.acceptance = [0.5] * max_drafts  # p_i, conditional; 0.5 until observed
+        self.cost: dict[int, float] = {}
+        self.probe_interval, self.rounds_without_drafts = first_probe, 0
+
+    def expected_tokens(self, num_drafts: int) -> float:
+        expected, reach = 1.0, 1.0
+        for p in self.acceptance[:num_drafts]:
+            reach *= p
+            expected += reach
+        return expected
+
+    def choose(self) -> int:
+        unmeasured = [k for k in reversed(self.candidates) if k not in self.cost]
+        if unmeasured:
+            return unmeasured[0]
+        best = max(self.candidates, key=lambda k: self.expected_tokens(k) / self.cost[k])
+        if best > 0:
+            self.probe_interval, self.rounds_without_drafts = self.first_probe, 0
+            return best
+        self.rounds_without_drafts += 1
+        if self.rounds_without_drafts < self.probe_interval:
+            return 0
+        self.rounds_without_drafts, self.probe_interval = 0, 2 * self.probe_interval
+        return self.candidates[1]
+
+    def record_acceptance(self, judged: int, accepted: int) -> None:
+        """Drafts ``1..judged`` were compared with the committed tokens; the first ``accepted`` matched."""
+        for i in range(judged):
+            self.acceptance[i] += self.rate * (float(i < accepted) - self.acceptance[i])
+
+    def record_cost(self, proposed: int, seconds: float) -> None:
+        if proposed in self.candidates:
+            previous = self.cost.get(proposed, seconds)
+            self.cost[proposed] = previous + self.rate * (seconds - previous)
+
+
 class DFlashCandidateGenerator(CandidateGenerator):
     """Proposes a whole block of drafts per round from one drafter forward (see the module docstring).
 
@@ -162,17 +215,27 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.pending_context: list[torch.Tensor] = []
         self.verified_from = 0
         self.round_proposed: int | None = None  # None while the target prefills
+        self.round_drafts: torch.LongTensor | None = None  # proposals plus one more draft, for the controller
+        self.round_started = 0.0
+        adaptive = getattr(drafter, "adaptive_block_size", True) and self.block_size > 1
+        self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
         self.stats = drafter.last_stats = DFlashStats(self.block_size)
 
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
         """``input_ids [1, n]`` -> ``([1, n + k], None)`` with ``k <= B - 1`` drafts; round 1 proposes nothing."""
+        now = time.perf_counter()
+        if self.controller is not None and self.round_proposed is not None:
+            self.controller.record_cost(self.round_proposed, now - self.round_started)
+        self.round_started = now
         if is_first_iteration:
             return input_ids, None
         self._collect_context(input_ids, model_outputs)
         anchor = input_ids.shape[1] - 1
         self.verified_from = anchor
+        wanted = self.controller.choose() if self.controller is not None else self.block_size - 1
         # Never propose past max_length: the target's own token after the drafts must fit too.
-        num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        num_drafts = min(wanted, self.max_length - input_ids.shape[1] - 1)
+        self.round_drafts = None
         proposals = self._draft(input_ids, num_drafts) if num_drafts > 0 else input_ids[:, :0]
         proposals = self._stop_before_stop_strings(input_ids, proposals)
         self.round_proposed = proposals.shape[1]
@@ -181,6 +244,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self.round_proposed is not None:
             self.stats.record(self.round_proposed, int(num_matches) + 1)
+            if self.controller is not None and self.round_drafts is not None:
+                accepted = int(num_matches)
+                judged = min(accepted + 1, self.round_drafts.shape[1])
+                if accepted == self.round_proposed and judged > accepted:  # the target's own token judges draft k+1
+                    accepted += int(self.round_drafts[0, accepted] == input_ids[0, -1])
+                self.controller.record_acceptance(judged, accepted)
 
     def _collect_context(self, input_ids, model_outputs) -> None:
         """Feed context: target features of positions ``[verified_from, n - 1)``, all committed, to the drafter."""
@@ -189,7 +258,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.pending_context.append(features[:, : committed - self.verified_from])
 
     def _draft(self, input_ids, num_drafts) -> torch.LongTensor:
-        """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` -> ``[1, num_drafts]`` argmax proposals."""
+        """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` -> ``[1, num_drafts]`` argmax proposals.
+
+        One more draft than proposed (when the block has it) is kept in ``round_drafts`` for the controller.
+        """
         device = self.draft_device
         context = torch.cat(self.pending_context, dim=1).to(device)
         self.pending_context = []
@@ -205,8 +277,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
                 past_key_values=self.cache,
                 use_cache=True,
             ).last_hidden_state
-            rows = hidden[:, 1 : 1 + num_drafts].to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype)
-            return self.lm_head(rows).argmax(dim=-1).to(input_ids.device)
+            rows = hidden[:, 1 : 2 + num_drafts].to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype)
+            self.round_drafts = self.lm_head(rows).argmax(dim=-1).to(input_ids.device)
+        return self.round_drafts[:, :num_drafts]
 
     def _stop_before_stop_strings(self, input_ids, proposals):
         """Keep drafts short of the first one that completes a stop string.
@@ -238,6 +311,9 @@ class DFlashDrafterMixin:
 
     _is_dflash_drafter = True
     last_stats: DFlashStats | None = None
+    # Choose the number of drafts per round from measured costs and acceptance (`DraftLengthController`);
+    # False always proposes block_size - 1 drafts (as the reference does).
+    adaptive_block_size: bool = True
 
     def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
         return DFlashCandidateGenerator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer)
@@ -373,6 +449,7 @@ __all__ = [
     "DFlashCandidateGenerator",
     "DFlashDrafterMixin",
     "DFlashStats",
+    "DraftLengthController",
     "check_drafter_fits_target",
     "extract_context_feature",
     "install_dflash_dispatch",

@@ -47,13 +47,18 @@ def tiny_target(kind: str = "qwen3", seed: int = 0, attn: str = "sdpa", **overri
     return model
 
 
-def tiny_drafter(target, block_size: int = 4, seed: int = 1, attn: str = "sdpa", num_layers: int = 2, **overrides):
+def tiny_drafter(
+    target, block_size: int = 4, seed: int = 1, attn: str = "sdpa", num_layers: int = 2, adaptive=False, **overrides
+):
+    """A random drafter for ``target``; fixed full blocks unless ``adaptive`` (timing-dependent block sizes)."""
     config = DFlashConfig.from_target_config(
         target.config, mask_token_id=MASK_ID, num_hidden_layers=num_layers, block_size=block_size, **overrides
     )
     config._attn_implementation = attn
     torch.manual_seed(seed)
-    return DFlashDraftModel(config).eval()
+    drafter = DFlashDraftModel(config).eval()
+    drafter.adaptive_block_size = adaptive
+    return drafter
 
 
 def random_prompt(seed: int, length: int = 12) -> torch.LongTensor:

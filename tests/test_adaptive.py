@@ -1,0 +1,77 @@
+"""Adaptive block size: the controller's choices on synthetic costs, and losslessness whatever it chooses."""
+
+import pytest
+import torch
+from conftest import random_prompt, tiny_drafter
+from oracle import pin
+
+from dflash_hf import DraftLengthController
+
+
+def simulate(costs, acceptance, rounds=300):
+    """Drive a controller with fixed per-k round costs and per-draft conditional acceptance; returns its choices."""
+    controller = DraftLengthController(max_drafts=15)
+    generator = torch.Generator().manual_seed(0)
+    choices = []
+    for _ in range(rounds):
+        k = controller.choose()
+        drafted = min(k + 1, 15) if k else 0  # the generator drafts one more than it proposes
+        hits = 0
+        while hits < drafted and torch.rand(1, generator=generator).item() < acceptance:
+            hits += 1
+        judged = min(min(hits, k) + 1, drafted)  # up to the first rejection; draft k+1 by the target's own token
+        controller.record_acceptance(judged, min(hits, judged))
+        controller.record_cost(k, costs[k])
+        choices.append(k)
+    return choices
+
+
+# Round costs in units of one decode step, shaped like the measured fp32 CPU curve (r(4) 1.5, r(8) 1.65, r(16) 2.05)
+# plus a drafter forward of 0.1.
+CPU_FP32 = {0: 1.0, 3: 1.6, 7: 1.75, 15: 2.15}
+
+
+def test_useless_drafter_falls_back_to_plain_decoding_with_rare_probes():
+    choices = simulate(CPU_FP32, acceptance=0.0)
+    assert choices[:4] == [15, 7, 3, 0]  # every candidate measured once, largest first
+    probes = [k for k in choices[4:] if k > 0]
+    assert probes and len(probes) <= 6  # exponential back-off: 8, 16, 32, 64, 128 rounds apart
+    extra_cost = sum(CPU_FP32[k] for k in choices) / len(choices)
+    assert extra_cost < 1.03  # under 3% slower than plain decoding over 300 rounds
+
+
+def test_perfect_drafter_uses_the_whole_block():
+    choices = simulate(CPU_FP32, acceptance=1.0)
+    assert set(choices[12:]) == {15}  # climbs to the whole block within a few rounds
+
+
+def test_costly_long_verify_picks_the_block_size_with_most_tokens_per_second():
+    costs = {0: 1.0, 3: 1.5, 7: 1.7, 15: 3.5}  # a verify-cost cliff past 8 tokens
+    choices = simulate(costs, acceptance=0.7)
+    assert max(set(choices[4:]), key=choices[4:].count) == 7
+
+
+def test_controller_follows_acceptance_that_changes():
+    controller = DraftLengthController(max_drafts=15)
+    for k in (15, 7, 3, 0):
+        controller.choose()
+        controller.record_cost(k, CPU_FP32[k])
+    for _ in range(20):
+        controller.record_acceptance(1, 0)
+    assert controller.choose() == 0
+    for _ in range(20):
+        controller.record_acceptance(15, 15)
+    assert controller.choose() == 15
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_adaptive_generation_is_lossless(target, block_size):
+    drafter = tiny_drafter(target, block_size=block_size, adaptive=True)
+    for seed in range(3):
+        ids = random_prompt(seed)
+        plain = target.generate(ids, max_new_tokens=40, do_sample=False)
+        assert torch.equal(target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter), plain)
+        pin(drafter, plain, cuts=lambda r, n: (r * 5 + 1) % (n + 1))
+        assert torch.equal(target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter), plain)
+        assert max(drafter.last_stats.proposed_lengths) <= block_size - 1
+        del drafter.make_candidate_generator

@@ -120,12 +120,13 @@ class DraftLengthController:
     ``cost[k]`` seconds, measured on this target in this call (drafter forward + verifying ``k + 1`` tokens + glue).
     When all ``k`` drafts are accepted, draft ``k + 1`` (drafted, not proposed) is judged against the target's own
     token, so the estimates can climb towards longer blocks.
-    The controller proposes the ``k`` with the most tokens per second, ``k = 0`` being plain decoding. Every candidate
-    ``k`` is measured once, largest first; while plain decoding wins, a short draft is re-tried with exponential
-    back-off so that a drafter that starts to fit the text is noticed without paying a probe every few rounds.
+    The controller proposes the ``k`` with the most tokens per second, ``k = 0`` being plain decoding. It measures the
+    whole block and plain decoding first and bounds the cost of sizes in between from below until it tries them; while
+    plain decoding wins, a short draft is re-tried with exponential back-off, so that a drafter that starts to fit the
+    text is noticed without paying a probe every few rounds.
     """
 
-    def __init__(self, max_drafts: int, rate: float = 0.3, first_probe: int = 8):
+    def __init__(self, max_drafts: int, rate: float = 0.3, first_probe: int = 16):
         self.candidates = sorted({0, max_drafts} | {2**i - 1 for i in range(2, 10) if 2**i - 1 < max_drafts})
         self.rate, self.first_probe = rate, first_probe
         self.acceptance = [0.5] * max_drafts  # p_i, conditional; 0.5 until observed
@@ -140,10 +141,10 @@ class DraftLengthController:
         return expected
 
     def choose(self) -> int:
-        unmeasured = [k for k in reversed(self.candidates) if k not in self.cost]
-        if unmeasured:
-            return unmeasured[0]
-        best = max(self.candidates, key=lambda k: self.expected_tokens(k) / self.cost[k])
+        for k in (self.candidates[-1], 0):  # the whole block (judges the most drafts), then plain decoding
+            if k not in self.cost:
+                return k
+        best = max(self.candidates, key=lambda k: self.expected_tokens(k) / self.estimated_cost(k))
         if best > 0:
             self.probe_interval, self.rounds_without_drafts = self.first_probe, 0
             return best
@@ -152,6 +153,13 @@ class DraftLengthController:
             return 0
         self.rounds_without_drafts, self.probe_interval = 0, 2 * self.probe_interval
         return self.candidates[1]
+
+    def estimated_cost(self, num_drafts: int) -> float:
+        """Measured cost; for a size not tried yet, the cost of the largest measured smaller size -- a lower bound
+        (verifying more tokens costs no less), so a size that might pay gets tried once and then measured."""
+        if num_drafts in self.cost:
+            return self.cost[num_drafts]
+        return self.cost[max(k for k in self.cost if k < num_drafts)]
 
     def record_acceptance(self, judged: int, accepted: int) -> None:
         """Drafts ``1..judged`` were compared with the committed tokens; the first ``accepted`` matched."""

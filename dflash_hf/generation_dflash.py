@@ -120,8 +120,8 @@ class DraftLengthController:
     ``cost[k]`` seconds, measured on this target in this call (drafter forward + verifying ``k + 1`` tokens + glue).
     When all ``k`` drafts are accepted, draft ``k + 1`` (drafted, not proposed) is judged against the target's own
     token, so the estimates can climb towards longer blocks.
-    The controller proposes the ``k`` with the most tokens per second, ``k = 0`` being plain decoding. It measures the
-    whole block and plain decoding first and bounds the cost of sizes in between from below until it tries them; while
+    The controller proposes the ``k`` with the most tokens per second, ``k = 0`` being plain decoding. It measures a
+    short draft and plain decoding first and bounds the cost of larger sizes from below until it tries them; while
     plain decoding wins, a short draft is re-tried with exponential back-off, so that a drafter that starts to fit the
     text is noticed without paying a probe every few rounds.
     """
@@ -129,19 +129,22 @@ class DraftLengthController:
     def __init__(self, max_drafts: int, rate: float = 0.3, first_probe: int = 16):
         self.candidates = sorted({0, max_drafts} | {2**i - 1 for i in range(2, 10) if 2**i - 1 < max_drafts})
         self.rate, self.first_probe = rate, first_probe
-        self.acceptance = [0.5] * max_drafts  # p_i, conditional; 0.5 until observed
+        self.acceptance = [0.5] * max_drafts  # p_i, conditional
+        self.judged = 0  # drafts 1..judged have been observed at least once
         self.cost: dict[int, float] = {}
         self.probe_interval, self.rounds_without_drafts = first_probe, 0
 
     def expected_tokens(self, num_drafts: int) -> float:
-        expected, reach = 1.0, 1.0
-        for p in self.acceptance[:num_drafts]:
+        """``E[k]``; a draft position never judged yet is assumed as good as the last judged one."""
+        expected, reach, p = 1.0, 1.0, 0.5
+        for i in range(num_drafts):
+            p = self.acceptance[i] if i < self.judged or not self.judged else p
             reach *= p
             expected += reach
         return expected
 
     def choose(self) -> int:
-        for k in (self.candidates[-1], 0):  # the whole block (judges the most drafts), then plain decoding
+        for k in (self.candidates[1], 0):  # a short draft (cheap if the drafter is useless), then plain decoding
             if k not in self.cost:
                 return k
         best = max(self.candidates, key=lambda k: self.expected_tokens(k) / self.estimated_cost(k))
@@ -165,6 +168,7 @@ class DraftLengthController:
         """Drafts ``1..judged`` were compared with the committed tokens; the first ``accepted`` matched."""
         for i in range(judged):
             self.acceptance[i] += self.rate * (float(i < accepted) - self.acceptance[i])
+        self.judged = max(self.judged, judged)
 
     def record_cost(self, proposed: int, seconds: float) -> None:
         if proposed in self.candidates:

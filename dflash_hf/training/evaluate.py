@@ -26,9 +26,12 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def acceptance(target, draft, prompt_ids: list[list[int]], block_size: int, max_new_tokens: int,
                quiet: bool = True) -> dict:
-    """Greedy DFlash generation of every prompt at ``block_size``; pooled tau, histogram, per-position acceptance."""
-    original = draft.config.block_size
-    draft.config.block_size = block_size
+    """Greedy DFlash generation of every prompt at ``block_size``; pooled tau, histogram, per-position acceptance.
+
+    Every round proposes the whole block (the adaptive controller is off), so tau is the drafter's, at this size.
+    """
+    original, adaptive = draft.config.block_size, draft.adaptive_block_size
+    draft.config.block_size, draft.adaptive_block_size = block_size, False
     lengths, proposed, seconds, new_tokens = [], [], 0.0, 0
     try:
         for ids in tqdm(prompt_ids, desc=f"eval B={block_size}", disable=quiet, leave=False):
@@ -40,7 +43,7 @@ def acceptance(target, draft, prompt_ids: list[list[int]], block_size: int, max_
             lengths += draft.last_stats.acceptance_lengths
             proposed += draft.last_stats.proposed_lengths
     finally:
-        draft.config.block_size = original
+        draft.config.block_size, draft.adaptive_block_size = original, adaptive
     pooled = DFlashStats(block_size, acceptance_lengths=lengths, proposed_lengths=proposed)
     return {
         "block_size": block_size,

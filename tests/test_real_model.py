@@ -67,3 +67,22 @@ def test_bf16_greedy_identical_up_to_floating_point_near_ties(smollm2, smollm2_p
         top2 = logits.topk(2).values
         resolution = 2 ** -7 * top2[0].abs()  # bf16 keeps 8 significant bits
         assert top2[0] - top2[1] <= 4 * resolution, f"{name}: parted at {at} without a near-tie ({top2.tolist()})"
+
+
+def test_shipped_drafter_is_lossless_and_accepts_drafts(smollm2):
+    """The drafter shipped for SmolLM2 (trained on GSM8K test prompts 0..999): on held-out prompts 1000+ it must
+    stay exact and keep accepting drafts (measured tau 2.2 at B=16 over 10 prompts; the floor here is loose)."""
+    from dflash_hf.assets import default_draft_path
+
+    tokenizer, target = smollm2
+    drafter = DFlashDraftModel.from_pretrained(default_draft_path())
+    assert drafter.config.target_layer_ids == [1, 8, 14, 20, 27] and drafter.config.mask_token_id == MASK_ID
+    drafter.adaptive_block_size = False
+    lengths = []
+    for record in load_prompts("gsm8k")[1000:1002]:
+        inputs = encode_chat(tokenizer, record["turns"])
+        plain = target.generate(**inputs, max_new_tokens=64, do_sample=False)
+        spec = target.generate(**inputs, max_new_tokens=64, do_sample=False, assistant_model=drafter)
+        assert torch.equal(spec, plain)
+        lengths += drafter.last_stats.acceptance_lengths
+    assert sum(lengths) / len(lengths) > 1.5

@@ -1,0 +1,167 @@
+"""DFlash drafter configuration in the published z-lab layout.
+
+This file travels as remote code inside every saved drafter (``save_pretrained`` copies it), so it imports only
+``torch``/``transformers``.
+
+A published drafter ``config.json`` is a Qwen3 config plus three DFlash entries::
+
+    "model_type": "qwen3", "architectures": ["DFlashDraftModel"],
+    "block_size": 16,                      # top level (Qwen3/LLaMA drafts) or inside dflash_config (newer drafts)
+    "num_target_layers": 36,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+
+`DFlashConfig` reads both placements of ``block_size``, exposes ``block_size``, ``target_layer_ids`` and
+``mask_token_id`` as top-level attributes (the contract of transformers' built-in DFlash generator), and writes the
+z-lab layout back, including the legacy ``rope_theta``/``rope_scaling`` keys that other loaders (MLX, vLLM, SGLang)
+read.
+"""
+
+from typing import Any
+
+from huggingface_hub.dataclasses import strict
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default target layers to read context features from, exactly as the reference code picks them.
+
+    One drafter layer reads the middle layer; otherwise the ids are spread uniformly from layer 1 to layer
+    ``L - 3`` with Python's ``round`` (half to even): 36 target layers, 5 features -> ``[1, 9, 17, 25, 33]``;
+    32 -> 4 gives ``[1, 10, 20, 29]``. Index ``i`` means the output of decoder layer ``i``, i.e. ``hidden_states[i + 1]``.
+    """
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@strict
+class DFlashConfig(Qwen3Config):
+    r"""Configuration of a DFlash drafter: a Qwen3-style stack conditioned on target hidden states.
+
+    Args (beyond the Qwen3 fields ``hidden_size``, ``intermediate_size``, heads, ``head_dim``, ``rms_norm_eps``,
+    rope, ``layer_types``, ``sliding_window``, ``attention_bias``, ``vocab_size``):
+        block_size (`int`, defaults to 16):
+            Tokens per drafted block ``[last verified token, mask x (block_size - 1)]``.
+        num_target_layers (`int`, *optional*):
+            Number of decoder layers of the target this drafter was trained for.
+        dflash_config (`dict`, *optional*):
+            ``{"target_layer_ids": [...], "mask_token_id": int}`` as stored in published checkpoints.
+        target_layer_ids (`list[int]`, *optional*):
+            Same as ``dflash_config["target_layer_ids"]``; defaults to `build_target_layer_ids`.
+        mask_token_id (`int`, *optional*):
+            Same as ``dflash_config["mask_token_id"]``: a row of the target's vocabulary used for masked slots.
+    """
+
+    model_type = "qwen3"  # what published drafts declare, and what vLLM/SGLang expect
+
+    block_size: int = 16
+    num_target_layers: int | None = None
+    dflash_config: dict | None = None
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+
+    def __post_init__(self, **kwargs):
+        # Qwen3Config drops `sliding_window` unless `use_sliding_window`; drafts that declare sliding layers in
+        # `layer_types` must keep their window, or attention silently becomes full.
+        window = self.sliding_window
+        super().__post_init__(**kwargs)
+        if self.layer_types and "sliding_attention" in self.layer_types and window is not None:
+            self.sliding_window = window
+
+        nested = dict(self.dflash_config or {})
+        if "block_size" in nested:  # newer drafts keep it inside dflash_config
+            self.block_size = nested["block_size"]
+        if self.target_layer_ids is None:
+            self.target_layer_ids = nested.get("target_layer_ids")
+        if self.target_layer_ids is None and self.num_target_layers is not None:
+            self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        if self.mask_token_id is None:
+            self.mask_token_id = nested.get("mask_token_id")
+        nested.update(target_layer_ids=self.target_layer_ids, mask_token_id=self.mask_token_id)
+        self.dflash_config = nested
+        self._validate_dflash_fields()
+
+    def _validate_dflash_fields(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.target_layer_ids is not None:
+            if not self.target_layer_ids or min(self.target_layer_ids) < 0:
+                raise ValueError(f"target_layer_ids must be non-negative layer indices, got {self.target_layer_ids}")
+            if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
+                raise ValueError(
+                    f"target_layer_ids {self.target_layer_ids} reach past the target's {self.num_target_layers} "
+                    f"layers (index i reads the output of decoder layer i); use ids below {self.num_target_layers}."
+                )
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary (vocab_size {self.vocab_size}); "
+                "pick a reserved or unused row of the target's vocabulary."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The z-lab layout: DFlash ids nested in ``dflash_config``, legacy rope keys restored."""
+        output = super().to_dict()
+        output.pop("target_layer_ids", None)
+        output.pop("mask_token_id", None)
+        output["dflash_config"] = {
+            **(self.dflash_config or {}),
+            "target_layer_ids": self.target_layer_ids,
+            "mask_token_id": self.mask_token_id,
+            "block_size": self.block_size,
+        }
+        rope = dict(self.rope_parameters or {})
+        output["rope_theta"] = rope.get("rope_theta")
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+        output["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+        return output
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_config,
+        *,
+        mask_token_id: int,
+        num_hidden_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        **overrides,
+    ) -> "DFlashConfig":
+        """A drafter config matching a target (hidden sizes, heads, vocab, rope) for training a new drafter.
+
+        ``target_layer_ids`` defaults to one feature per drafter layer, chosen by `build_target_layer_ids`.
+        """
+        text = target_config.get_text_config()
+        num_target_layers = text.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = build_target_layer_ids(num_target_layers, num_hidden_layers)
+        fields = dict(
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            vocab_size=text.vocab_size,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(text.rope_parameters) if getattr(text, "rope_parameters", None) else None,
+            max_position_embeddings=text.max_position_embeddings,
+            hidden_act=getattr(text, "hidden_act", "silu"),
+            num_hidden_layers=num_hidden_layers,
+            layer_types=["full_attention"] * num_hidden_layers,
+            num_target_layers=num_target_layers,
+            block_size=block_size,
+            target_layer_ids=list(target_layer_ids),
+            mask_token_id=mask_token_id,
+            tie_word_embeddings=False,
+            bos_token_id=getattr(text, "bos_token_id", None),
+            eos_token_id=getattr(text, "eos_token_id", None),
+            pad_token_id=getattr(text, "pad_token_id", None),
+            architectures=["DFlashDraftModel"],
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+
+__all__ = ["DFlashConfig", "build_target_layer_ids"]

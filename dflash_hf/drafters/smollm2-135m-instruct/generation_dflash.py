@@ -1,0 +1,468 @@
+"""DFlash inside ``target.generate(..., assistant_model=draft)``: the candidate generator and its dispatch.
+
+This file travels as remote code inside every saved drafter, so it imports only ``torch`` and ``transformers``.
+
+One speculative round, in the order transformers' assisted-decoding loop runs it:
+
+1. **feed context** (`DFlashCandidateGenerator._collect_context`): the target features of exactly the positions
+   committed since the last round (the whole prompt after prefill; anchor + accepted drafts afterwards);
+2. **draft** (`DFlashCandidateGenerator._draft`): embed ``[last token, mask x (B-1)]`` with the target's embedding, run
+   the drafter once, take the argmax of the target's ``lm_head`` on rows ``1..B-1``;
+3. **verify** and 4. **accept**: transformers' loop runs the target on the block and keeps the longest matching prefix
+   plus the target's own next token. Greedy: first mismatch. Sampling: the generator returns no draft distribution,
+   so the loop samples the target at every position and accepts drafts while they equal the sample -- rejection
+   sampling with a one-hot draft distribution, exact target sampling with the highest acceptance a greedy draft gets.
+
+Dispatch: `install_dflash_dispatch` wraps ``GenerationMixin._get_candidate_generator`` (and the mode validation
+before it) so that a DFlash drafter passed as ``assistant_model`` gets `DFlashCandidateGenerator`. Every other
+assistant, and ``speculation_type="dflash"`` (transformers' own DFlash generator), go to transformers unchanged.
+"""
+
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers.cache_utils import DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"
+
+
+@dataclass
+class DFlashStats:
+    """Per-call acceptance statistics; a fresh one lands on ``draft.last_stats`` at every ``generate`` call.
+
+    ``acceptance_lengths[r]`` is the number of tokens committed by verify round ``r`` (accepted drafts + the target's
+    own token), i.e. tau for that round; ``proposed_lengths[r]`` is how many drafts the round proposed.
+    """
+
+    block_size: int
+    acceptance_lengths: list[int] = field(default_factory=list)
+    proposed_lengths: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, committed: int) -> None:
+        self.proposed_lengths.append(proposed)
+        self.acceptance_lengths.append(committed)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: mean tokens committed per verify round (0.0 before any round)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def histogram(self) -> list[int]:
+        """``histogram[n]`` = rounds that committed ``n`` tokens, for ``n`` in ``0..block_size``."""
+        counts = [0] * (self.block_size + 1)
+        for length in self.acceptance_lengths:
+            counts[length] += 1
+        return counts
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Fraction of rounds that accepted draft ``k`` (``k = 1..B-1``) among rounds that proposed it."""
+        rates = []
+        for k in range(1, self.block_size):
+            offered = [a for a, p in zip(self.acceptance_lengths, self.proposed_lengths) if p >= k]
+            rates.append(sum(a - 1 >= k for a in offered) / len(offered) if offered else 0.0)
+        return rates
+
+
+def check_drafter_fits_target(drafter, target) -> None:
+    """Raise a `ValueError` naming the fix when ``drafter`` cannot serve ``target``."""
+    config, target_config = drafter.config, target.config.get_text_config()
+    name = type(target).__name__
+    if config.hidden_size != target_config.hidden_size:
+        raise ValueError(
+            f"The drafter's hidden_size {config.hidden_size} differs from the target's ({name}: "
+            f"{target_config.hidden_size}). A DFlash drafter reads the target's hidden states and borrows its "
+            "embedding and lm_head, so it must be trained for this target: load the matching drafter."
+        )
+    if config.vocab_size != target_config.vocab_size:
+        raise ValueError(
+            f"The drafter's vocab_size {config.vocab_size} differs from the target's ({target_config.vocab_size}); "
+            "the drafter uses the target's vocabulary: load the drafter trained for this target."
+        )
+    num_layers = target_config.num_hidden_layers
+    if not config.target_layer_ids or max(config.target_layer_ids) >= num_layers:
+        raise ValueError(
+            f"The drafter reads target layers {config.target_layer_ids}, but the target has {num_layers} layers "
+            f"(valid ids 0..{num_layers - 1}); load the drafter trained for this target."
+        )
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < target_config.vocab_size:
+        raise ValueError(
+            f"mask_token_id {config.mask_token_id} is not a row of the target's vocabulary (size "
+            f"{target_config.vocab_size}); set `dflash_config.mask_token_id` to a reserved or unused token id."
+        )
+    if config.num_target_layers not in (None, num_layers):
+        logger.warning(
+            "The drafter was trained for a %d-layer target, this target has %d layers: expect low acceptance.",
+            config.num_target_layers,
+            num_layers,
+        )
+
+
+class DraftLengthController:
+    """Adaptive block size: how many drafts to propose next round, from measured costs and recent acceptance.
+
+    A round that proposes ``k`` drafts commits ``E[k] = 1 + sum_{j<=k} prod_{i<=j} p_i`` tokens on average, where
+    ``p_i`` is the recent rate at which draft ``i`` is accepted given that drafts ``1..i-1`` were; it costs
+    ``cost[k]`` seconds, measured on this target in this call (drafter forward + verifying ``k + 1`` tokens + glue).
+    When all ``k`` drafts are accepted, draft ``k + 1`` (drafted, not proposed) is judged against the target's own
+    token, so the estimates can climb towards longer blocks.
+    The controller proposes the ``k`` with the most tokens per second, ``k = 0`` being plain decoding. It measures a
+    short draft and plain decoding first and bounds the cost of larger sizes from below until it tries them; while
+    plain decoding wins, a short draft is re-tried with exponential back-off, so that a drafter that starts to fit the
+    text is noticed without paying a probe every few rounds.
+    """
+
+    def __init__(self, max_drafts: int, rate: float = 0.3, first_probe: int = 16):
+        self.candidates = sorted({0, max_drafts} | {2**i - 1 for i in range(2, 10) if 2**i - 1 < max_drafts})
+        self.rate, self.first_probe = rate, first_probe
+        self.acceptance = [0.5] * max_drafts  # p_i, conditional
+        self.judged = 0  # drafts 1..judged have been observed at least once
+        self.cost: dict[int, float] = {}
+        self.probe_interval, self.rounds_without_drafts = first_probe, 0
+
+    def expected_tokens(self, num_drafts: int) -> float:
+        """``E[k]``; a draft position never judged yet is assumed as good as the last judged one."""
+        expected, reach, p = 1.0, 1.0, 0.5
+        for i in range(num_drafts):
+            p = self.acceptance[i] if i < self.judged or not self.judged else p
+            reach *= p
+            expected += reach
+        return expected
+
+    def choose(self) -> int:
+        for k in (self.candidates[1], 0):  # a short draft (cheap if the drafter is useless), then plain decoding
+            if k not in self.cost:
+                return k
+        best = max(self.candidates, key=lambda k: self.expected_tokens(k) / self.estimated_cost(k))
+        if best > 0:
+            self.probe_interval, self.rounds_without_drafts = self.first_probe, 0
+            return best
+        self.rounds_without_drafts += 1
+        if self.rounds_without_drafts < self.probe_interval:
+            return 0
+        self.rounds_without_drafts, self.probe_interval = 0, 2 * self.probe_interval
+        return self.candidates[1]
+
+    def estimated_cost(self, num_drafts: int) -> float:
+        """Measured cost; for a size not tried yet, the cost of the largest measured smaller size -- a lower bound
+        (verifying more tokens costs no less), so a size that might pay gets tried once and then measured."""
+        if num_drafts in self.cost:
+            return self.cost[num_drafts]
+        return self.cost[max(k for k in self.cost if k < num_drafts)]
+
+    def record_acceptance(self, judged: int, accepted: int) -> None:
+        """Drafts ``1..judged`` were compared with the committed tokens; the first ``accepted`` matched."""
+        for i in range(judged):
+            self.acceptance[i] += self.rate * (float(i < accepted) - self.acceptance[i])
+        self.judged = max(self.judged, judged)
+
+    def record_cost(self, proposed: int, seconds: float) -> None:
+        if proposed in self.candidates:
+            previous = self.cost.get(proposed, seconds)
+            self.cost[proposed] = previous + self.rate * (seconds - previous)
+
+
+class DFlashCandidateGenerator(CandidateGenerator):
+    """Proposes a whole block of drafts per round from one drafter forward (see the module docstring).
+
+    The drafter's cache holds the keys/values of every committed position before the current anchor, fed in position
+    order. Which positions are new is derived from positions, not from counters: after a target forward that started at
+    position ``verified_from``, the committed positions are ``[verified_from, len(input_ids) - 1)``; the last token
+    of ``input_ids`` is the next anchor, not yet seen by the target.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, drafter, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
+        # The drafter was checked against the target before generation started (`_validate_generation_mode`).
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"DFlash through generate() serves one sequence at a time, got a batch of {input_ids.shape[0]}: "
+                "call generate once per prompt."
+            )
+        past = model_kwargs.get("past_key_values", model_kwargs.get("cache"))  # renamed in transformers 5.24
+        if past is not None and past.get_seq_length() > 0:
+            raise ValueError(
+                "DFlash needs the target to prefill the whole prompt (the drafter reads its hidden states), but "
+                "`past_key_values` already holds tokens: pass a fresh cache or none."
+            )
+        mask = model_kwargs.get("attention_mask")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError("DFlash through generate() does not take padded input: pass the prompt unpadded.")
+
+        self.drafter = drafter
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.block_size = drafter.config.block_size
+        self.max_length = generation_config.max_length
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        # Ask the verify forward for just the layers we read; a user asking for all hidden states gets all of them
+        # (a partial list there breaks transformers' per-token output splitting).
+        capture = True if generation_config.output_hidden_states else [i + 1 for i in self.layer_ids]
+        self.model_kwargs_overrides = {"output_hidden_states": capture}
+        self.draft_device, self.draft_dtype = drafter.device, drafter.dtype
+        self.mask_ids = torch.full(
+            (1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long, device=input_ids.device
+        )
+        self.stop_strings = (
+            StopStringCriteria(target_tokenizer, generation_config.stop_strings)
+            if generation_config.stop_strings and target_tokenizer is not None
+            else None
+        )
+        self.cache = DynamicCache()
+        self.pending_context: list[torch.Tensor] = []
+        self.verified_from = 0
+        self.round_proposed: int | None = None  # None while the target prefills
+        self.round_drafts: torch.LongTensor | None = None  # proposals plus one more draft, for the controller
+        self.round_started = 0.0
+        adaptive = getattr(drafter, "adaptive_block_size", True) and self.block_size > 1
+        self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
+        self.stats = drafter.last_stats = DFlashStats(self.block_size)
+
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
+        """``input_ids [1, n]`` -> ``([1, n + k], None)`` with ``k <= B - 1`` drafts; round 1 proposes nothing."""
+        now = time.perf_counter()
+        if self.controller is not None and self.round_proposed is not None:
+            self.controller.record_cost(self.round_proposed, now - self.round_started)
+        self.round_started = now
+        if is_first_iteration:
+            return input_ids, None
+        self._collect_context(input_ids, model_outputs)
+        anchor = input_ids.shape[1] - 1
+        self.verified_from = anchor
+        wanted = self.controller.choose() if self.controller is not None else self.block_size - 1
+        # Never propose past max_length: the target's own token after the drafts must fit too.
+        num_drafts = min(wanted, self.max_length - input_ids.shape[1] - 1)
+        self.round_drafts = None
+        proposals = self._draft(input_ids, num_drafts) if num_drafts > 0 else input_ids[:, :0]
+        proposals = self._stop_before_stop_strings(input_ids, proposals)
+        self.round_proposed = proposals.shape[1]
+        return torch.cat([input_ids, proposals], dim=-1), None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        if self.round_proposed is not None:
+            self.stats.record(self.round_proposed, int(num_matches) + 1)
+            if self.controller is not None and self.round_drafts is not None:
+                accepted = int(num_matches)
+                judged = min(accepted + 1, self.round_drafts.shape[1])
+                if accepted == self.round_proposed and judged > accepted:  # the target's own token judges draft k+1
+                    accepted += int(self.round_drafts[0, accepted] == input_ids[0, -1])
+                self.controller.record_acceptance(judged, accepted)
+
+    def _collect_context(self, input_ids, model_outputs) -> None:
+        """Feed context: target features of positions ``[verified_from, n - 1)``, all committed, to the drafter."""
+        committed = input_ids.shape[1] - 1
+        features = extract_context_feature(model_outputs.hidden_states, self.layer_ids)
+        self.pending_context.append(features[:, : committed - self.verified_from])
+
+    def _draft(self, input_ids, num_drafts) -> torch.LongTensor:
+        """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` -> ``[1, num_drafts]`` argmax proposals.
+
+        One more draft than proposed (when the block has it) is kept in ``round_drafts`` for the controller.
+        """
+        device = self.draft_device
+        context = torch.cat(self.pending_context, dim=1).to(device)
+        self.pending_context = []
+        anchor = input_ids.shape[1] - 1
+        position_ids = torch.arange(self.cache.get_seq_length(), anchor + self.block_size, device=device)[None]
+        block_ids = torch.cat([input_ids[:, -1:], self.mask_ids], dim=-1)
+        noise = self.embed_tokens(block_ids).to(device=device, dtype=self.draft_dtype)
+        with torch.no_grad():
+            hidden = self.drafter(
+                noise_embedding=noise,
+                target_hidden=context,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+            ).last_hidden_state
+            rows = hidden[:, 1 : 2 + num_drafts].to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype)
+            self.round_drafts = self.lm_head(rows).argmax(dim=-1).to(input_ids.device)
+        return self.round_drafts[:, :num_drafts]
+
+    def _stop_before_stop_strings(self, input_ids, proposals):
+        """Keep drafts short of the first one that completes a stop string.
+
+        transformers checks stopping criteria only after a round, so an accepted draft that completes a stop string
+        mid-block would let tokens past it through. Cutting the proposals just before it keeps every earlier stop at
+        the end of a round; the target's own token then completes the stop string exactly where plain decoding stops.
+        """
+        if self.stop_strings is None:
+            return proposals
+        for k in range(1, proposals.shape[1] + 1):
+            if self.stop_strings(torch.cat([input_ids, proposals[:, :k]], dim=-1), None).any():
+                return proposals[:, : k - 1]
+        return proposals
+
+
+def extract_context_feature(hidden_states, layer_ids) -> torch.Tensor:
+    """Concatenate the target features the drafter reads: ``[b, T, H]`` each -> ``[b, T, F * H]``.
+
+    ``hidden_states`` is the target's ``output_hidden_states`` tuple, whose entry 0 is the embedding output; layer id
+    ``i`` therefore reads ``hidden_states[i + 1]``, the output of decoder layer ``i``.
+    """
+    offset = 1
+    return torch.cat([hidden_states[layer_id + offset] for layer_id in layer_ids], dim=-1)
+
+
+class DFlashDrafterMixin:
+    """What makes a module a DFlash drafter for `generate` and for z-lab's ``spec_generate``."""
+
+    _is_dflash_drafter = True
+    last_stats: DFlashStats | None = None
+    # Choose the number of drafts per round from measured costs and acceptance (`DraftLengthController`);
+    # False always proposes block_size - 1 drafts (as the reference does).
+    adaptive_block_size: bool = True
+
+    def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
+        return DFlashCandidateGenerator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer)
+
+    @torch.no_grad()
+    def spec_generate(self, target, input_ids, max_new_tokens=2048, stop_token_ids=None, temperature=0.0, **kwargs):
+        """z-lab's API: speculative generation of ``input_ids [1, n]`` -> ``[1, n + m]`` with the same round logic.
+
+        ``temperature < 1e-5`` is greedy; otherwise plain temperature sampling (no top-k/top-p), as the reference.
+        Generation ends after the first token in ``stop_token_ids`` (inclusive).
+        """
+        sampling = temperature >= 1e-5
+        options = dict(max_new_tokens=max_new_tokens, do_sample=sampling, assistant_model=self)
+        if sampling:
+            options.update(temperature=temperature, top_k=0, top_p=1.0)
+        if stop_token_ids is not None:
+            options["eos_token_id"] = list(stop_token_ids)
+            options.setdefault("pad_token_id", list(stop_token_ids)[0])
+        return target.generate(input_ids, **(options | kwargs))
+
+
+def is_dflash_drafter(model) -> bool:
+    return bool(getattr(model, "_is_dflash_drafter", False))
+
+
+def _raise_if_unloaded_drafter(model) -> None:
+    """A z-lab config loaded without ``trust_remote_code`` silently becomes a plain Qwen3 model: say so."""
+    if model is not None and not is_dflash_drafter(model) and getattr(model.config, "dflash_config", None):
+        raise ValueError(
+            f"The assistant is a plain {type(model).__name__} built from a DFlash drafter config: it was loaded without "
+            "the DFlash code. Load it with `AutoModel.from_pretrained(path, trust_remote_code=True)` or "
+            "`dflash_hf.DFlashDraftModel.from_pretrained(path)`."
+        )
+
+
+_EXPECTED_PARAMETERS = ("generation_config", "input_ids", "logits_processor", "model_kwargs", "assistant_model")
+
+
+def _check_transformers_internals() -> None:
+    """The dispatch leans on private generation internals: fail loudly if they moved."""
+    parameters = inspect.signature(GenerationMixin._get_candidate_generator).parameters
+    missing = [p for p in _EXPECTED_PARAMETERS if p not in parameters]
+    if missing or not hasattr(GenerationMixin, "_validate_generation_mode") or not hasattr(
+        CandidateGenerator, "update_candidate_strategy"
+    ):
+        raise RuntimeError(
+            f"dflash-hf supports transformers {SUPPORTED_TRANSFORMERS}, but transformers {transformers.__version__} "
+            f"changed the assisted-generation internals it hooks into (missing: {missing or 'hooks'}). "
+            f"Install a supported version: pip install 'transformers{SUPPORTED_TRANSFORMERS}'."
+        )
+
+
+def install_dflash_dispatch() -> None:
+    """Make ``generate(assistant_model=drafter)`` pick `DFlashCandidateGenerator` for DFlash drafters. Idempotent.
+
+    Wraps two private methods of ``GenerationMixin`` once per process (whichever copy of this file comes first:
+    the package or a checkpoint's remote code; each drafter builds its own generator through
+    ``make_candidate_generator``):
+
+    * ``_validate_generation_mode``: checks the drafter against the target with errors that name the fix, before
+      transformers' generic vocabulary check;
+    * ``_get_candidate_generator``: returns the drafter's generator. Other assistants, prompt lookup, early exit,
+      MTP and an explicit ``speculation_type="dflash"`` (transformers' built-in generator) are passed through.
+    """
+    if getattr(GenerationMixin._get_candidate_generator, "_dflash_dispatch", False):
+        return
+    _check_transformers_internals()
+    original_validate = GenerationMixin._validate_generation_mode
+    original_get = GenerationMixin._get_candidate_generator
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        assistant = generation_mode_kwargs.get("assistant_model")
+        _raise_if_unloaded_drafter(assistant)
+        if is_dflash_drafter(assistant):
+            if generation_config.num_beams > 1:
+                raise ValueError("DFlash drafts one sequence: beam search is not supported; use num_beams=1.")
+            if generation_config.output_attentions and self.config._attn_implementation != "eager":
+                raise ValueError(
+                    "output_attentions=True with speculative decoding needs the target loaded with "
+                    "attn_implementation='eager'."
+                )
+            if generation_config.cache_implementation in ("static", "offloaded_static", "hybrid", "sliding_window"):
+                raise ValueError(
+                    "DFlash rolls the target's cache back after every round and needs a dynamic cache: drop "
+                    f"cache_implementation={generation_config.cache_implementation!r}."
+                )
+            check_drafter_fits_target(assistant, self)
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    def _get_candidate_generator(
+        self,
+        generation_config,
+        input_ids,
+        inputs_tensor,
+        logits_processor,
+        model_kwargs,
+        assistant_model=None,
+        target_tokenizer=None,
+        assistant_tokenizer=None,
+    ):
+        other_mode = (
+            generation_config.speculation_type == "dflash"
+            or generation_config.prompt_lookup_num_tokens is not None
+            or generation_config.assistant_early_exit is not None
+            or getattr(generation_config, "use_mtp", False)
+        )
+        if is_dflash_drafter(assistant_model) and not other_mode:
+            return assistant_model.make_candidate_generator(
+                target=self,
+                generation_config=generation_config,
+                input_ids=input_ids,
+                model_kwargs=model_kwargs,
+                target_tokenizer=target_tokenizer,
+            )
+        return original_get(
+            self,
+            generation_config=generation_config,
+            input_ids=input_ids,
+            inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor,
+            model_kwargs=model_kwargs,
+            assistant_model=assistant_model,
+            target_tokenizer=target_tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+        )
+
+    _get_candidate_generator._dflash_dispatch = True
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+
+
+__all__ = [
+    "DFlashCandidateGenerator",
+    "DFlashDrafterMixin",
+    "DFlashStats",
+    "DraftLengthController",
+    "check_drafter_fits_target",
+    "extract_context_feature",
+    "install_dflash_dispatch",
+]

@@ -1,0 +1,257 @@
+"""The DFlash drafter: a few Qwen3-style layers that draft a whole block in one non-causal forward.
+
+This file travels as remote code inside every saved drafter, so it imports only ``torch``, ``transformers`` and its
+flat siblings (``configuration_dflash``, ``generation_dflash``).
+
+Shapes used below: ``b`` batch, ``C`` new context positions, ``Q`` block (query) positions, ``H`` hidden size,
+``F = len(target_layer_ids)``. Weight names match the published z-lab drafts: ``fc``, ``hidden_norm``,
+``layers.{i}.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``, ``mlp.{gate,up,down}_proj``,
+``input_layernorm``, ``post_attention_layernorm``, ``norm``. There is no embedding and no ``lm_head``: the drafter
+borrows the target's.
+"""
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3DecoderLayer,
+    Qwen3PreTrainedModel,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from .configuration_dflash import DFlashConfig
+from .generation_dflash import DFlashDrafterMixin, extract_context_feature, install_dflash_dispatch
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x [b, heads, T, d]`` with ``cos``/``sin`` ``[b, T, d]`` for the same T positions."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(Qwen3Attention):
+    """Queries from the block; keys/values from ``concat(context, block)``; no causal mask.
+
+    Each layer projects the same fused context feature with its own ``k_proj``/``v_proj`` (then ``k_norm`` and RoPE
+    at the context's absolute positions). The cache keeps only context keys/values: block keys/values are appended
+    after the cache update and dropped after the forward, unless ``cache_block`` is set (transformers' built-in
+    generator crops the block from its ``DFlashCache`` itself).
+    """
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        # Never causal: with SDPA, `is_causal=True` and q_len < kv_len would silently keep only the first q_len keys.
+        self.is_causal = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        cache_block: bool = False,
+        **kwargs,
+    ) -> torch.Tensor:
+        """``hidden_states [b, Q, H]`` (block), ``context [b, C, H]`` (fused features), embeddings for C + Q positions."""
+        batch, q_len, _ = hidden_states.shape
+        ctx_len = context.shape[1]
+        cos, sin = position_embeddings
+
+        query = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
+        kv_input = torch.cat([context, hidden_states], dim=1)
+        key = self.k_norm(self.k_proj(kv_input).view(batch, ctx_len + q_len, -1, self.head_dim)).transpose(1, 2)
+        value = self.v_proj(kv_input).view(batch, ctx_len + q_len, -1, self.head_dim).transpose(1, 2)
+        query = apply_rotary(query, cos[:, -q_len:], sin[:, -q_len:])
+        key = apply_rotary(key, cos, sin)
+
+        if past_key_values is not None:
+            if cache_block:
+                key, value = past_key_values.update(key, value, self.layer_idx)
+            else:
+                ctx_key, ctx_value = past_key_values.update(key[:, :, :ctx_len], value[:, :, :ctx_len], self.layer_idx)
+                key = torch.cat([ctx_key, key[:, :, ctx_len:]], dim=2)
+                value = torch.cat([ctx_value, value[:, :, ctx_len:]], dim=2)
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, _ = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            is_causal=False,
+            **kwargs,
+        )
+        return self.o_proj(output.reshape(batch, q_len, -1))
+
+
+class DFlashDecoderLayer(Qwen3DecoderLayer):
+    """Pre-norm block stream; the context is not normalised per layer (it was by ``hidden_norm``)."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.self_attn = DFlashAttention(config, layer_idx)
+
+    def forward(self, hidden_states, context, position_embeddings, attention_mask, past_key_values, cache_block, **kwargs):
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states),
+            context=context,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            cache_block=cache_block,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
+    """DFlash drafter (z-lab layout). Pass it as ``assistant_model`` to a target's ``generate``.
+
+    Two call contracts share one forward:
+
+    * z-lab's: ``forward(noise_embedding=[b, Q, H], target_hidden=[b, C, F*H], position_ids=[b, C + Q],
+      past_key_values=DynamicCache)``; the cache keeps context keys/values only.
+    * transformers' built-in ``DFlashTokenCandidateGenerator``: ``forward(noise_embeds=, context_hidden_states=,
+      position_ids=, attention_mask=, past_key_values=DFlashCache)``; block keys/values are cached too, and that
+      generator crops them.
+
+    Both return ``last_hidden_state [b, Q, H]`` after the final ``norm``; row ``k`` predicts the token at block
+    position ``k`` (row 0, the anchor, is not a prediction).
+    """
+
+    config_class = DFlashConfig
+    config: DFlashConfig
+    base_model_prefix = ""
+    main_input_name = "noise_embedding"
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _can_record_outputs = {}
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__(config)
+        install_dflash_dispatch()
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """``[b, C, F*H]`` concatenated target features -> ``[b, C, H]`` fused context (``fc`` then ``hidden_norm``)."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        noise_embeds: torch.Tensor | None = None,
+        context_hidden_states: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        r"""
+        noise_embedding (`[b, Q, H]`): target embeddings of ``[last verified token, mask x (Q - 1)]`` (training: all
+            blocks of a sequence side by side).
+        target_hidden (`[b, C, F*H]`): target features of the C positions not yet in the cache, see
+            `extract_context_feature`.
+        position_ids (`[b, C + Q]`): absolute positions of the new context positions, then of the block positions.
+            Defaults to ``cache length + arange(C + Q)``.
+        attention_mask: a 4D mask ``[b, 1, Q, cache + C + Q]`` (additive, or boolean for SDPA) is used as given
+            (training uses one to keep blocks apart); a 2D padding mask ``[b, cache + C + Q]`` becomes a key mask;
+            ``None`` means every block row sees every key. Sliding-window layers add their window to it.
+        noise_embeds, context_hidden_states, cache: the built-in generator's names (``cache`` is what
+            transformers 5.24 calls ``past_key_values``).
+        """
+        cache_block = noise_embeds is not None  # transformers' built-in contract: it crops the block itself
+        past_key_values = past_key_values if past_key_values is not None else cache
+        noise = noise_embeds if cache_block else noise_embedding
+        features = context_hidden_states if cache_block else target_hidden
+        if noise is None or features is None:
+            raise ValueError("DFlashDraftModel needs the block embeddings and the target's context features.")
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+
+        context = self.project_context(features.to(self.fc.weight.dtype))
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + context.shape[1] + noise.shape[1], device=noise.device)
+            position_ids = position_ids.unsqueeze(0).expand(noise.shape[0], -1)
+        position_embeddings = self.rotary_emb(noise, position_ids)
+        masks = self._layer_masks(attention_mask, position_ids, past_len, noise)
+
+        hidden_states = noise
+        for layer, mask in zip(self.layers, masks):
+            hidden_states = layer(
+                hidden_states,
+                context=context,
+                position_embeddings=position_embeddings,
+                attention_mask=mask,
+                past_key_values=past_key_values,
+                cache_block=cache_block,
+                **kwargs,
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def _layer_masks(self, attention_mask, position_ids, past_len, noise) -> list[torch.Tensor | None]:
+        """One additive mask per layer: the caller's mask, plus the window on sliding-window layers."""
+        q_len, batch = noise.shape[1], noise.shape[0]
+        allowed = None  # boolean [b, 1, Q, K], True = may attend
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            allowed = attention_mask[:, None, None, :].bool()
+        elif attention_mask is not None and attention_mask.dim() == 4:
+            allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+
+        window = self.config.sliding_window
+        masks = []
+        for layer_type in self.config.layer_types:
+            layer_allowed = allowed
+            if layer_type == "sliding_attention" and window is not None:
+                # The cached context always covers positions [0, past_len): the generator feeds it in order.
+                cached = torch.arange(past_len, device=noise.device).expand(batch, -1)
+                key_positions = torch.cat([cached, position_ids], dim=1)
+                query_positions = position_ids[:, -q_len:]
+                if int(query_positions.max() - key_positions.min()) >= window:
+                    in_window = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < window
+                    layer_allowed = in_window if layer_allowed is None else layer_allowed & in_window
+            masks.append(None if layer_allowed is None else _additive(layer_allowed, noise.dtype))
+        return masks
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean ``True = attend`` mask -> additive mask (0 or the dtype's minimum), which eager and SDPA both take."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+__all__ = ["DFlashDraftModel", "extract_context_feature"]

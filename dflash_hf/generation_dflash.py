@@ -126,11 +126,13 @@ class DraftLengthController:
     text is noticed without paying a probe every few rounds.
     """
 
-    def __init__(self, max_drafts: int, rate: float = 0.3, first_probe: int = 16):
+    def __init__(self, max_drafts: int, rate: float = 0.2, first_probe: int = 16, min_evidence: int = 4):
         self.candidates = sorted({0, max_drafts} | {2**i - 1 for i in range(2, 10) if 2**i - 1 < max_drafts})
         self.rate, self.first_probe = rate, first_probe
         self.acceptance = [0.5] * max_drafts  # p_i, conditional
+        self.observations = [0] * max_drafts  # judgements per draft position
         self.judged = 0  # drafts 1..judged have been observed at least once
+        self.min_evidence = min_evidence  # judgements of draft 1 before plain decoding may win
         self.cost: dict[int, float] = {}
         self.probe_interval, self.rounds_without_drafts = first_probe, 0
 
@@ -148,9 +150,9 @@ class DraftLengthController:
             if k not in self.cost:
                 return k
         best = max(self.candidates, key=lambda k: self.expected_tokens(k) / self.estimated_cost(k))
-        if best > 0:
+        if best > 0 or self.observations[0] < self.min_evidence:  # one unlucky first round must not decide
             self.probe_interval, self.rounds_without_drafts = self.first_probe, 0
-            return best
+            return best or self.candidates[1]
         self.rounds_without_drafts += 1
         if self.rounds_without_drafts < self.probe_interval:
             return 0
@@ -166,8 +168,10 @@ class DraftLengthController:
 
     def record_acceptance(self, judged: int, accepted: int) -> None:
         """Drafts ``1..judged`` were compared with the committed tokens; the first ``accepted`` matched."""
-        for i in range(judged):
-            self.acceptance[i] += self.rate * (float(i < accepted) - self.acceptance[i])
+        for i in range(judged):  # a running mean over the first 1/rate judgements, then a moving average
+            self.observations[i] += 1
+            weight = max(self.rate, 1.0 / (self.observations[i] + 1))
+            self.acceptance[i] += weight * (float(i < accepted) - self.acceptance[i])
         self.judged = max(self.judged, judged)
 
     def record_cost(self, proposed: int, seconds: float) -> None:

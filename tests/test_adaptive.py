@@ -33,11 +33,11 @@ CPU_FP32 = {0: 1.0, 3: 1.6, 7: 1.75, 15: 2.15}
 
 def test_useless_drafter_falls_back_to_plain_decoding_with_rare_probes():
     choices = simulate(CPU_FP32, acceptance=0.0)
-    assert choices[:2] == [3, 0]  # a short draft and plain decoding are measured first
-    probes = [k for k in choices[2:] if k > 0]
+    assert choices[:5] == [3, 0, 3, 3, 3]  # short drafts until draft 1 was judged 4 times, plain decoding measured
+    probes = [k for k in choices[5:] if k > 0]
     assert probes and len(probes) <= 6  # exponential back-off: 16, 32, 64, 128 rounds apart
     extra_cost = sum(CPU_FP32[k] for k in choices) / len(choices)
-    assert extra_cost < 1.015  # under 1.5% slower than plain decoding over 300 rounds
+    assert extra_cost < 1.02  # under 2% slower than plain decoding over 300 rounds
 
 
 def test_perfect_drafter_uses_the_whole_block():

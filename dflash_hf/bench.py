@@ -210,6 +210,17 @@ class PhaseProfiler:
             return update(input_ids, scores, num_matches)
 
         generator.get_candidates, generator.update_candidate_strategy = timed_get_candidates, recorded_update
+        if hasattr(generator, "_draft"):  # dflash-hf's generator may call the head's weight directly: time it whole
+            draft = generator._draft
+
+            def timed_draft(*args, **kwargs):
+                self._draft_start()
+                try:
+                    return draft(*args, **kwargs)
+                finally:
+                    self._draft_end()
+
+            generator._draft = timed_draft
         return generator
 
     def reset(self) -> RunTrace:

@@ -8,10 +8,10 @@ from oracle import pin
 from dflash_hf import DraftLengthController
 
 
-def simulate(costs, acceptance, rounds=300):
+def simulate(costs, acceptance, rounds=300, seed=0, **controller_options):
     """Drive a controller with fixed per-k round costs and per-draft conditional acceptance; returns its choices."""
-    controller = DraftLengthController(max_drafts=15)
-    generator = torch.Generator().manual_seed(0)
+    controller = DraftLengthController(max_drafts=15, **controller_options)
+    generator = torch.Generator().manual_seed(seed)
     choices = []
     for _ in range(rounds):
         k = controller.choose()
@@ -49,6 +49,30 @@ def test_costly_long_verify_picks_the_block_size_with_most_tokens_per_second():
     costs = {0: 1.0, 3: 1.5, 7: 1.7, 15: 3.5}  # a verify-cost cliff past 8 tokens
     choices = simulate(costs, acceptance=0.7)
     assert max(set(choices[10:]), key=choices[10:].count) == 7
+
+
+# bf16 on the same CPU: verifying 4-16 tokens costs little more than one (r(16) ~ 1.3) plus a drafter of ~0.2.
+CPU_BF16 = {0: 1.0, 3: 1.3, 7: 1.45, 15: 1.75}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_good_drafter_with_rejection_streaks_keeps_drafting(seed):
+    # p = 0.5: E[3] = 1.94 tokens for 1.3 -> 1.49x; plain decoding never wins, but 4+ rejections in a row happen.
+    choices = simulate(CPU_BF16, acceptance=0.5, seed=seed)
+    assert choices[10:].count(0) <= 3
+    # the same controller judging only on the fast estimate quits on streaks (what the slow estimate prevents)
+    assert simulate(CPU_BF16, acceptance=0.5, seed=seed, slow_rate=0.2)[10:].count(0) > choices[10:].count(0)
+
+
+def test_one_stalled_round_does_not_price_a_size_out():
+    controller = DraftLengthController(max_drafts=15)
+    for k, cost in CPU_BF16.items():
+        controller.record_cost(k, cost)
+    controller.record_cost(3, 6.0)  # a garbage-collection pause inside one round
+    assert controller.cost[3] == pytest.approx(1.3 * 1.2)  # counted as twice the estimate, at the moving rate
+    for _ in range(20):
+        controller.record_cost(3, 2.6)  # a lasting change is followed
+    assert controller.cost[3] == pytest.approx(2.6, rel=0.02)
 
 
 def test_controller_follows_acceptance_that_changes():

@@ -69,7 +69,9 @@ def test_phases_and_cost_model(greedy_result):
     for run in greedy_result["runs"]:
         phases = run["phases_s"]
         assert min(phases.values()) >= 0 and phases["verify"] > 0 and phases["prefill"] > 0
-        assert (phases["draft"] > 0) == (run["method"] in ("dflash", "dflash_builtin"))
+        assert (phases["draft"] > 0) == (run["method"] in ("dflash", "dflash_builtin", "oracle"))
+        if run["method"] == "oracle":  # its "drafts" are a slice of the reference: no drafter, no head
+            assert phases["draft"] < 0.1 * phases["verify"]
         assert run["target_forwards"] == len(run["acceptance_lengths"]) + 1
         assert sum(run["acceptance_lengths"]) == run["decode_tokens"]
     rows = {(r["dataset"], r["method"]): r for r in greedy_result["summary"]}
@@ -136,3 +138,20 @@ def test_cli_parser():
     args = parser.parse_args(["bench", "--quick", "--draft", "random", "--temperature", "0.7"])
     assert args.func is run_bench and args.quick and args.draft == "random" and args.temperature == 0.7
     assert args.methods.split(",") == list(ALL_METHODS) and args.threads == 1
+
+
+def test_bench_prompts_can_skip_the_prompts_a_drafter_was_trained_on(monkeypatch):
+    from conftest import char_tokenizer
+
+    from dflash_hf import assets
+    from dflash_hf.bench_cli import load_bench_prompts
+    from dflash_hf.errors import DFlashUserError
+
+    records = [{"id": str(i), "turns": [f"q{i}"]} for i in range(5)]
+    monkeypatch.setattr(assets, "load_prompts", lambda name, limit=None: records[:limit])
+    tokenizer = char_tokenizer()
+    assert [p.id for p in load_bench_prompts(tokenizer, ["toy@3"], 4, chat=False)] == ["3", "4"]
+    assert [p.id for p in load_bench_prompts(tokenizer, ["toy"], 2, chat=False)] == ["0", "1"]
+    for bad in ("toy@x", "toy@5"):
+        with pytest.raises(DFlashUserError, match="toy"):
+            load_bench_prompts(tokenizer, [bad], 2, chat=False)

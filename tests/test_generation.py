@@ -7,6 +7,9 @@ from oracle import pin
 from reference import reference_generate
 from transformers.generation.streamers import BaseStreamer
 
+from dflash_hf import generation_dflash
+from dflash_hf.generation_dflash import _FASTER_TRANSPOSED, head_argmax
+
 
 def greedy(target, ids, n, **kwargs):
     return target.generate(ids, max_new_tokens=n, do_sample=False, **kwargs)
@@ -251,3 +254,22 @@ def test_drafter_inputs_are_anchor_and_masks_at_absolute_positions(target):
         assert call["target_hidden"].shape[1] == anchor - fed  # one feature row per newly committed position
         fed = anchor
     assert len(calls) == sum(p > 0 for p in drafter.last_stats.proposed_lengths)  # no drafts, no drafter call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_head_argmax_equals_lm_head_argmax_in_either_matmul_form(dtype, transposed, monkeypatch):
+    head = torch.nn.Linear(16, 50, bias=False).to(dtype)
+    rows = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    monkeypatch.setitem(_FASTER_TRANSPOSED, (dtype, 3, (50, 16)), transposed)
+    assert torch.equal(head_argmax(head, rows), head(rows).argmax(dim=-1))
+
+
+def test_head_argmax_times_each_size_once_and_calls_other_heads_as_they_are(monkeypatch):
+    monkeypatch.setattr(generation_dflash, "_FASTER_TRANSPOSED", {})
+    head, rows = torch.nn.Linear(16, 50, bias=False), torch.randn(5, 16)
+    head_argmax(head, rows)
+    assert list(generation_dflash._FASTER_TRANSPOSED) == [(torch.float32, 5, (50, 16))]
+    biased = torch.nn.Linear(16, 50)
+    assert torch.equal(head_argmax(biased, rows), biased(rows).argmax(dim=-1))
+    assert len(generation_dflash._FASTER_TRANSPOSED) == 1

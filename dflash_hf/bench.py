@@ -287,6 +287,28 @@ def first_difference(output: torch.LongTensor, reference: torch.LongTensor, prom
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def divergence_margin(target, output: torch.LongTensor, reference: torch.LongTensor, prompt_len: int,
+                      position: int) -> dict:
+    """Why ``output`` parted from ``reference`` at generated index ``position``: the target's logits there.
+
+    One forward of the reference prefix (in the target's dtype) gives the logits of the reference token and of the
+    token the method committed. ``gap`` = their difference; ``near_tie`` when the method's token is in the top 2
+    and the gap is within 4 units of the dtype's resolution at the top logit (bf16 keeps 8 significant bits), i.e.
+    a verify over several tokens and a one-token decode may round either way. Past the end of one output (one
+    stopped earlier), the committed token is the end of the sequence and nothing is computed.
+    """
+    at = prompt_len + position
+    if at >= output.shape[1] or at >= reference.shape[1]:
+        return {"gap": None, "near_tie": None}
+    with torch.no_grad():
+        logits = target(reference[:, :at]).logits[0, -1].float()
+    ours, theirs = int(output[0, at]), int(reference[0, at])
+    top2 = logits.topk(2)
+    resolution = torch.finfo(target.dtype).eps * float(top2.values[0].abs())
+    gap = float(logits[theirs] - logits[ours])
+    return {"gap": gap, "near_tie": ours in top2.indices.tolist() and abs(gap) <= 4 * resolution}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The interleaved benchmark
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,7 +328,8 @@ def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], dra
     """Every prompt: an untimed plain reference run, then ``repeats`` x all methods in a rotated order.
 
     Returns the raw per-run records (see `run_once`), each with ``dataset``, ``prompt_id``, ``repeat``, ``slot``
-    (position in that repeat's order), ``identical`` and ``first_diff`` (against the reference).
+    (position in that repeat's order), ``identical``, ``first_diff`` (against the reference) and, for a greedy run
+    that parted, ``divergence`` (see `divergence_margin`).
     """
     from tqdm.auto import tqdm
 
@@ -329,6 +352,9 @@ def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], dra
                     diff = first_difference(output, reference, prompt.input_ids.shape[1])
                     record.update(dataset=prompt.dataset, prompt_id=prompt.id, repeat=r, slot=slot,
                                   block=method.block, identical=diff is None, first_diff=diff)
+                    if diff is not None and not temperature:
+                        record["divergence"] = divergence_margin(target, output, reference,
+                                                                 prompt.input_ids.shape[1], diff)
                     records.append(record)
                     bar.update()
         bar.close()

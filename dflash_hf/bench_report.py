@@ -74,12 +74,18 @@ def _summarize_method(dataset, method, runs) -> dict | None:
 
 
 def _identity(runs) -> tuple[int, list[dict]]:
-    """Prompts whose every run equals the reference, and ``{"dataset", "prompt_id", "position"}`` for the others."""
+    """Prompts whose every run equals the reference, and for the others ``{"dataset", "prompt_id", "position",
+    "gap", "near_tie"}`` of the earliest parting (gap and near_tie from greedy runs, else None)."""
     by_prompt: dict[tuple, list] = {}
     for run in runs:
-        by_prompt.setdefault((run["dataset"], run["prompt_id"]), []).append(run["first_diff"])
-    diffs = [{"dataset": d, "prompt_id": p, "position": min(x for x in v if x is not None)}
-             for (d, p), v in by_prompt.items() if any(x is not None for x in v)]
+        by_prompt.setdefault((run["dataset"], run["prompt_id"]), []).append(run)
+    diffs = []
+    for (dataset, prompt_id), prompt_runs in by_prompt.items():
+        parted = [r for r in prompt_runs if r["first_diff"] is not None]
+        if parted:
+            first = min(parted, key=lambda r: r["first_diff"])
+            margin = first.get("divergence") or {"gap": None, "near_tie": None}
+            diffs.append({"dataset": dataset, "prompt_id": prompt_id, "position": first["first_diff"], **margin})
     return len(by_prompt) - len(diffs), diffs
 
 
@@ -135,6 +141,7 @@ def render_markdown(result: dict) -> str:
             f"{row['identical_prompts']}/{row['num_prompts']} | {phases} | {_fmt(row.get('r_in_run'))} | {_fmt(row.get('predicted_speedup'), '.2f', '×')} | "
             f"{_fmt(row.get('predicted_speedup_with_o'), '.2f', '×')} | {_fmt(row.get('ceiling'), '.2f', '×')} |"
         )
+    lines += _divergence_lines(result["summary"], result["config"].get("temperature"))
     curve = result.get("verify_curve")
     if curve is not None:
         ks = sorted(int(k) for k in curve["r"])
@@ -148,6 +155,24 @@ def render_markdown(result: dict) -> str:
             "| r(k) | " + " | ".join(f"{_by_int(curve['r'], k):.2f}" for k in ks) + " |",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _divergence_lines(summary, temperature) -> list[str]:
+    """Where outputs parted from plain greedy, and whether each parting is a floating-point near-tie."""
+    rows = [r for r in summary if r["dataset"] != "all" and r["first_diffs"]]
+    if not rows:
+        return []
+    if temperature:
+        return ["", "Sampling: outputs differ from the reference sample by design (different random draws)."]
+    lines = ["", "Prompts that parted from plain greedy (generated index; logit gap reference - ours at that "
+             "position, from one forward of the reference prefix; near-tie = within 4 units of the dtype's "
+             "resolution and our token in the top 2):", ""]
+    for row in rows:
+        parts = [f"{d['prompt_id']} @ {d['position']} (gap {_fmt(d['gap'], '.3f')}, "
+                 f"{'near-tie' if d['near_tie'] else 'NOT a near-tie' if d['near_tie'] is False else 'length'})"
+                 for d in row["first_diffs"]]
+        lines.append(f"- {row['dataset']} / {row['method']}: " + "; ".join(parts))
+    return lines
 
 
 def _by_int(mapping, k):

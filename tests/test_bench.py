@@ -155,3 +155,23 @@ def test_bench_prompts_can_skip_the_prompts_a_drafter_was_trained_on(monkeypatch
     for bad in ("toy@x", "toy@5"):
         with pytest.raises(DFlashUserError, match="toy"):
             load_bench_prompts(tokenizer, [bad], 2, chat=False)
+
+
+def test_divergence_margin_tells_a_near_tie_from_a_real_difference():
+    from dflash_hf.bench import divergence_margin
+
+    target = tiny_target("qwen3")  # untied head: one row can be made an exact twin of another
+    prompt = torch.randint(4, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    reference = target.generate(prompt, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        logits = target(reference[:, :10]).logits[0, -1]
+    first, second = logits.topk(2).indices.tolist()
+    parted = reference.clone()
+    parted[0, 10] = second  # committed the runner-up at generated index 2
+    margin = divergence_margin(target, parted, reference, prompt_len=8, position=2)
+    assert margin["gap"] == pytest.approx(float(logits[first] - logits[second])) and margin["gap"] > 0
+    assert margin["near_tie"] is False
+    with torch.no_grad():
+        target.lm_head.weight[second] = target.lm_head.weight[first]  # an exact tie
+    assert divergence_margin(target, parted, reference, prompt_len=8, position=2) == {"gap": 0.0, "near_tie": True}
+    assert divergence_margin(target, parted[:, :10], reference, 8, 2) == {"gap": None, "near_tie": None}

@@ -12,6 +12,7 @@ borrows the target's.
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, and_masks, create_block_mask
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -189,8 +190,9 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
         position_ids (`[b, C + Q]`): absolute positions of the new context positions, then of the block positions.
             Defaults to ``cache length + arange(C + Q)``.
         attention_mask: a 4D mask ``[b, 1, Q, cache + C + Q]`` (additive, or boolean for SDPA) is used as given
-            (training uses one to keep blocks apart); a 2D padding mask ``[b, cache + C + Q]`` becomes a key mask;
-            ``None`` means every block row sees every key. Sliding-window layers add their window to it.
+            (training uses one to keep blocks apart); with ``flex_attention``, a ``BlockMask`` over the same
+            ``[Q, cache + C + Q]`` grid; a 2D padding mask ``[b, cache + C + Q]`` becomes a key mask; ``None`` means
+            every block row sees every key. Sliding-window layers add their window to it.
         noise_embeds, context_hidden_states, cache: the built-in generator's names (``cache`` is what
             transformers 5.24 calls ``past_key_values``).
         """
@@ -224,8 +226,11 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
-    def _layer_masks(self, attention_mask, position_ids, past_len, noise) -> list[torch.Tensor | None]:
-        """One additive mask per layer: the caller's mask, plus the window on sliding-window layers."""
+    def _layer_masks(self, attention_mask, position_ids, past_len, noise) -> list:
+        """One mask per layer: the caller's mask, plus the window on sliding-window layers (additive tensors, or
+        ``BlockMask`` when the caller passed one)."""
+        if isinstance(attention_mask, BlockMask):
+            return self._layer_block_masks(attention_mask, position_ids, past_len)
         q_len, batch = noise.shape[1], noise.shape[0]
         allowed = None  # boolean [b, 1, Q, K], True = may attend
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
@@ -247,6 +252,25 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
                     layer_allowed = in_window if layer_allowed is None else layer_allowed & in_window
             masks.append(None if layer_allowed is None else _additive(layer_allowed, noise.dtype))
         return masks
+
+
+    def _layer_block_masks(self, block_mask: BlockMask, position_ids, past_len) -> list[BlockMask]:
+        """FlexAttention: the caller's ``BlockMask``, AND-ed with the window on sliding-window layers."""
+        window = self.config.sliding_window
+        if window is None or "sliding_attention" not in self.config.layer_types:
+            return [block_mask] * len(self.config.layer_types)
+        batch = position_ids.shape[0]
+        cached = torch.arange(past_len, device=position_ids.device).expand(batch, -1)
+        key_positions = torch.cat([cached, position_ids], dim=1)  # [b, K]
+        query_positions = position_ids[:, -block_mask.shape[-2]:]  # [b, Q]
+
+        def in_window(b, h, q_idx, kv_idx):
+            return query_positions[b, q_idx] - key_positions[b, kv_idx] < window
+
+        q_len, kv_len = block_mask.shape[-2:]
+        windowed = create_block_mask(and_masks(block_mask.mask_mod, in_window), B=batch, H=None, Q_LEN=q_len,
+                                     KV_LEN=kv_len, device=position_ids.device)
+        return [windowed if t == "sliding_attention" else block_mask for t in self.config.layer_types]
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,14 +14,16 @@ from safetensors.torch import load_file
 from dflash_hf import DFlashConfig, DFlashDraftModel
 from dflash_hf.training.blocks import (
     block_labels_and_weights,
+    block_mask_mod,
     build_block_inputs,
     build_block_mask,
+    build_flex_block_mask,
     render_mask,
     sample_anchors,
 )
 from dflash_hf.cli import build_parser
 from dflash_hf.training.data import ShardDataset, collate
-from dflash_hf.training.trainer import block_loss, warm_start_from_target
+from dflash_hf.training.trainer import block_loss, resolve_attention, warm_start_from_target
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_target import make_target, mask_token_id, write_prompts  # noqa: E402
@@ -181,6 +183,62 @@ def test_draft_forward_with_block_mask_equals_one_block_at_a_time():
             alone = draft(noise_embedding=embed(ids), target_hidden=features[:, :a],
                           position_ids=torch.arange(a + block)[None]).last_hidden_state
             torch.testing.assert_close(together[:, n * block : (n + 1) * block], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_mask_mod_draws_the_same_picture():
+    from torch.nn.attention.flex_attention import create_mask
+
+    anchors, keep = torch.tensor([[2, 4], [3, 0]]), torch.tensor([[True, True], [True, False]])
+    flex = create_mask(block_mask_mod(anchors, keep, 6, 2), 2, 1, 4, 10, device="cpu")
+    assert torch.equal(flex, build_block_mask(anchors, keep, 6, 2))  # the pictures of test_mask_picture_and_padding
+    loss_mask = (torch.rand(3, 40, generator=torch.Generator().manual_seed(0)) > 0.3).long()
+    for seed in range(5):
+        anchors, keep = sample_anchors(loss_mask, 4, 6, torch.Generator().manual_seed(seed))
+        flex = create_mask(block_mask_mod(anchors, keep, 40, 4), 3, 1, 24, 64, device="cpu")
+        assert torch.equal(flex, build_block_mask(anchors, keep, 40, 4))
+        check_block_mask(flex, anchors, keep, 40, 4)
+
+
+def tiny_config(**overrides):
+    options = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, vocab_size=50, block_size=4, target_layer_ids=[0, 1],
+                   mask_token_id=49)
+    return DFlashConfig(**(options | overrides))
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_flex_attention_block_mask_equals_dense_mask(sliding):
+    """FlexAttention (what training uses on GPU) computes what SDPA computes with the dense mask. Forward only:
+    PyTorch has no FlexAttention backward on CPU."""
+    torch.manual_seed(0)
+    config = tiny_config()
+    if sliding:
+        config.sliding_window, config.layer_types = 5, ["sliding_attention", "full_attention"]
+    draft = DFlashDraftModel(config).eval()
+    seq_len, block = 16, 4
+    input_ids = torch.randint(0, 49, (2, seq_len))
+    loss_mask = torch.ones(2, seq_len)
+    anchors, keep = torch.tensor([[1, 6, 11], [9, 12, 0]]), torch.tensor([[True, True, True], [True, True, False]])
+    noise, positions = build_block_inputs(input_ids, anchors, block, 49, keep)
+    embeds, features = torch.nn.Embedding(50, 32)(noise).detach(), torch.randn(2, seq_len, 64)
+    outputs = {}
+    with torch.no_grad():
+        for implementation, mask in (("sdpa", build_block_mask(anchors, keep, seq_len, block)),
+                                     ("flex_attention", build_flex_block_mask(anchors, keep, seq_len, block))):
+            draft.config._attn_implementation = implementation
+            outputs[implementation] = draft(noise_embedding=embeds, target_hidden=features, position_ids=positions,
+                                            attention_mask=mask).last_hidden_state
+    weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block, None)[1]
+    rows = weights > 0  # padded blocks' rows carry no loss
+    torch.testing.assert_close(outputs["flex_attention"][rows], outputs["sdpa"][rows], atol=1e-5, rtol=1e-5)
+
+
+def test_training_attention_choice():
+    assert resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_attention("auto", torch.device("cuda", 0)) == "flex_attention"
+    assert resolve_attention("eager", torch.device("cuda", 0)) == "eager"
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        resolve_attention("flex_attention", torch.device("cpu"))
 
 
 def test_overfit_one_sequence(work):

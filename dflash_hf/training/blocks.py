@@ -92,6 +92,29 @@ def build_block_mask(
     return torch.cat([context, same_block], dim=2)[:, None]
 
 
+def block_mask_mod(anchors: torch.LongTensor, keep: torch.BoolTensor, seq_len: int, block_size: int):
+    """`build_block_mask` as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the same picture, computed
+    per tile instead of materialised (``[b, 1, N*B, S + N*B]`` is ~370 MB per sequence and layer at 512 anchors x
+    16 x 3072 context)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = q_idx // block_size
+        sees_context = (kv_idx < seq_len) & (kv_idx < anchors[b, block]) & keep[b, block]
+        same_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == block)
+        return sees_context | same_block
+
+    return mask_mod
+
+
+def build_flex_block_mask(anchors: torch.LongTensor, keep: torch.BoolTensor, seq_len: int, block_size: int):
+    """A FlexAttention ``BlockMask`` for `block_mask_mod` (what the drafter takes with ``flex_attention``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, num = anchors.shape
+    return create_block_mask(block_mask_mod(anchors, keep, seq_len, block_size), B=batch, H=None,
+                             Q_LEN=num * block_size, KV_LEN=seq_len + num * block_size, device=anchors.device)
+
+
 def block_labels_and_weights(
     input_ids: torch.LongTensor,
     loss_mask: torch.Tensor,
@@ -141,8 +164,10 @@ def render_mask(mask: torch.Tensor) -> list[str]:
 
 __all__ = [
     "block_labels_and_weights",
+    "block_mask_mod",
     "build_block_inputs",
     "build_block_mask",
+    "build_flex_block_mask",
     "decay_weights",
     "default_gamma",
     "render_mask",

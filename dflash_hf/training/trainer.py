@@ -42,6 +42,7 @@ from .blocks import (
     block_labels_and_weights,
     build_block_inputs,
     build_block_mask,
+    build_flex_block_mask,
     default_gamma,
     sample_anchors,
 )
@@ -68,7 +69,10 @@ def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor
     if anchors.shape[1] == 0:  # no response position can anchor a block: a zero loss that still touches every param
         return sum(p.sum() * 0.0 for p in draft.parameters()), stats
     noise_ids, position_ids = build_block_inputs(input_ids, anchors, block_size, mask_token_id, keep)
-    mask = build_block_mask(anchors, keep, seq_len, block_size).to(device)
+    if draft_attention(draft) == "flex_attention":  # computed per tile on the GPU; never a dense [Q, K] tensor
+        mask = build_flex_block_mask(anchors.to(device), keep.to(device), seq_len, block_size)
+    else:
+        mask = build_block_mask(anchors, keep, seq_len, block_size).to(device)
     labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block_size, gamma)
     active = weights > 0
     if sample_positions:
@@ -90,6 +94,22 @@ def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor
         stats["correct"] = torch.zeros(block_size, device=device).index_add_(0, block_pos, hits).cpu()
         stats["count"] = torch.zeros(block_size, device=device).index_add_(0, block_pos, torch.ones_like(hits)).cpu()
     return loss, stats
+
+
+def draft_attention(draft) -> str:
+    """The drafter's attention implementation (through a DDP wrapper)."""
+    return getattr(draft, "module", draft).config._attn_implementation
+
+
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """``auto``: FlexAttention on CUDA (a block mask computed per tile), SDPA with the dense mask elsewhere
+    (FlexAttention has no backward on CPU)."""
+    if choice == "auto":
+        return "flex_attention" if device.type == "cuda" else "sdpa"
+    if choice == "flex_attention" and device.type == "cpu":
+        raise ValueError("--attn-implementation flex_attention needs a GPU: PyTorch's FlexAttention has no backward "
+                         "on CPU; use sdpa (or auto).")
+    return choice
 
 
 @torch.no_grad()
@@ -269,6 +289,7 @@ def train(args) -> dict:
     from ..loading import load_target
 
     rank, world, device = setup_distributed(args.device)
+    args.attn_implementation = resolve_attention(args.attn_implementation, device)
     out_dir = Path(args.output_dir)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -162,7 +162,7 @@ class PhaseProfiler:
         self._hook(target.get_output_embeddings(), self._draft_start, self._draft_end)
         if drafter is not None:
             self._hook(drafter, self._draft_start, self._draft_end)
-        self._draft_t0: float | None = None
+        self._draft_t0, self._draft_depth = 0.0, 0
         self._verify_t0 = 0.0
 
         def _get_candidate_generator(model, *args, **kwargs):  # the class's method, dispatch included, at call time
@@ -182,13 +182,16 @@ class PhaseProfiler:
         self._in_verify = False
 
     def _draft_start(self):
-        if not self._in_verify and self._draft_t0 is None:  # nested draft modules count once
-            self._draft_t0 = time.perf_counter()
+        if not self._in_verify:  # nested draft scopes (the drafter inside `_draft`) count once, outermost
+            if self._draft_depth == 0:
+                self._draft_t0 = time.perf_counter()
+            self._draft_depth += 1
 
     def _draft_end(self):
-        if not self._in_verify and self._draft_t0 is not None:
-            self.trace.draft_s += time.perf_counter() - self._draft_t0
-            self._draft_t0 = None
+        if not self._in_verify and self._draft_depth > 0:
+            self._draft_depth -= 1
+            if self._draft_depth == 0:
+                self.trace.draft_s += time.perf_counter() - self._draft_t0
 
     def _wrap_generator(self, generator):
         """Time ``get_candidates`` and record each round's proposed and committed lengths."""
@@ -224,7 +227,7 @@ class PhaseProfiler:
         return generator
 
     def reset(self) -> RunTrace:
-        self.trace, self._draft_t0, self._in_verify = RunTrace(), None, False
+        self.trace, self._draft_depth, self._in_verify = RunTrace(), 0, False
         return self.trace
 
     def remove(self):

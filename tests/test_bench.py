@@ -175,3 +175,29 @@ def test_divergence_margin_tells_a_near_tie_from_a_real_difference():
         target.lm_head.weight[second] = target.lm_head.weight[first]  # an exact tie
     assert divergence_margin(target, parted, reference, prompt_len=8, position=2) == {"gap": 0.0, "near_tie": True}
     assert divergence_margin(target, parted[:, :10], reference, 8, 2) == {"gap": None, "near_tie": None}
+
+
+def test_draft_phase_covers_the_whole_draft_including_the_head(models, monkeypatch):
+    """The drafter's own hooks nest inside `_draft`: the head's argmax after the drafter forward is draft time too."""
+    import time
+
+    from dflash_hf import generation_dflash
+
+    target, drafter = models
+    real_head_argmax = generation_dflash.head_argmax
+
+    def slow_head_argmax(lm_head, rows):
+        time.sleep(0.01)
+        return real_head_argmax(lm_head, rows)
+
+    monkeypatch.setattr(generation_dflash, "head_argmax", slow_head_argmax)
+    profiler = PhaseProfiler(target, drafter)
+    try:
+        (method,) = build_methods(drafter, ["dflash"])
+        record, _ = run_once(target, method, prompts()[0].input_ids, NEW, profiler)
+    finally:
+        profiler.remove()
+    drafting_rounds = sum(1 for k in record["proposed_lengths"] if k > 0)
+    assert drafting_rounds > 0
+    assert record["phases_s"]["draft"] >= 0.01 * drafting_rounds
+    assert record["phases_s"]["context"] < 0.005 * drafting_rounds

@@ -291,25 +291,40 @@ def first_difference(output: torch.LongTensor, reference: torch.LongTensor, prom
 
 
 def divergence_margin(target, output: torch.LongTensor, reference: torch.LongTensor, prompt_len: int,
-                      position: int) -> dict:
-    """Why ``output`` parted from ``reference`` at generated index ``position``: the target's logits there.
+                      position: int, exact=None) -> dict:
+    """Why ``output`` parted from ``reference`` at generated index ``position``: is it a floating-point near-tie?
 
-    One forward of the reference prefix (in the target's dtype) gives the logits of the reference token and of the
-    token the method committed. ``gap`` = their difference; ``near_tie`` when the method's token is in the top 2
-    and the gap is within 4 units of the dtype's resolution at the top logit (bf16 keeps 8 significant bits), i.e.
-    a verify over several tokens and a one-token decode may round either way. Past the end of one output (one
-    stopped earlier), the committed token is the end of the sequence and nothing is computed.
+    ``exact`` is the target in float32 (default: ``target`` itself, which must then be float32). One forward of the
+    reference prefix in each gives, for the reference token and the token the method committed, float32 logits and
+    the target dtype's rounding error on them. Returns ``gap`` (float32 logit of the reference token minus ours),
+    ``error`` (the larger |dtype logit - float32 logit| of the two) and ``near_tie``: our token is in the float32 top
+    2 and ``|gap|`` is at most 4 x ``error`` (at least 4 float32 units at the top logit) -- the two tokens are closer
+    than the dtype can tell apart, so a verify over several tokens and a one-token decode may round either way.
+    Past the end of one output (one stopped earlier) there is nothing to compare: all None.
     """
     at = prompt_len + position
     if at >= output.shape[1] or at >= reference.shape[1]:
-        return {"gap": None, "near_tie": None}
+        return {"gap": None, "error": None, "near_tie": None}
+    exact = target if exact is None else exact
+    prefix = reference[:, :at]
     with torch.no_grad():
-        logits = target(reference[:, :at]).logits[0, -1].float()
+        logits = target(prefix).logits[0, -1].float()
+        exact_logits = logits if exact is target else exact(prefix.to(exact.device)).logits[0, -1].float().cpu()
     ours, theirs = int(output[0, at]), int(reference[0, at])
-    top2 = logits.topk(2)
-    resolution = torch.finfo(target.dtype).eps * float(top2.values[0].abs())
-    gap = float(logits[theirs] - logits[ours])
-    return {"gap": gap, "near_tie": ours in top2.indices.tolist() and abs(gap) <= 4 * resolution}
+    top2 = exact_logits.topk(2)
+    error = max(float((logits[t] - exact_logits[t]).abs()) for t in (ours, theirs))
+    floor = 4 * torch.finfo(torch.float32).eps * float(top2.values[0].abs())
+    gap = float(exact_logits[theirs] - exact_logits[ours])
+    return {"gap": gap, "error": error, "near_tie": ours in top2.indices.tolist() and abs(gap) <= max(4 * error, floor)}
+
+
+def float32_twin(target):
+    """A float32 copy of ``target`` without its hooks, for `divergence_margin` (the target itself if float32)."""
+    if target.dtype == torch.float32:
+        return target
+    twin = type(target)(target.config).eval()
+    twin.load_state_dict({name: tensor.float() for name, tensor in target.state_dict().items()})
+    return twin.to(device=target.device, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -337,6 +352,7 @@ def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], dra
     from tqdm.auto import tqdm
 
     plain = Method("reference")
+    exact = None  # the float32 twin for divergence margins, made at the first greedy divergence
     profiler = PhaseProfiler(target, drafter)
     records = []
     try:
@@ -345,7 +361,7 @@ def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], dra
         bar = tqdm(total=len(prompts) * repeats * len(methods), disable=not progress, desc="bench", unit="run")
         for p, prompt in enumerate(prompts):
             _, reference = run_once(target, plain, prompt.input_ids, max_new_tokens, profiler, temperature, seed)
-            _set_oracle_reference(methods, reference)
+            _set_oracle_reference(target, methods, prompt.input_ids, reference, max_new_tokens, profiler)
             for r in range(repeats):
                 shift = (p * repeats + r) % len(methods)
                 for slot, method in enumerate(methods[shift:] + methods[:shift]):
@@ -356,8 +372,9 @@ def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], dra
                     record.update(dataset=prompt.dataset, prompt_id=prompt.id, repeat=r, slot=slot,
                                   block=method.block, identical=diff is None, first_diff=diff)
                     if diff is not None and not temperature:
+                        exact = exact or float32_twin(target)
                         record["divergence"] = divergence_margin(target, output, reference,
-                                                                 prompt.input_ids.shape[1], diff)
+                                                                 prompt.input_ids.shape[1], diff, exact)
                     records.append(record)
                     bar.update()
         bar.close()
@@ -369,16 +386,29 @@ def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], dra
 def _warm_up(target, prompt, methods, profiler, max_new_tokens, temperature, seed):
     """One short untimed run of every method (allocator, kernels, lazy imports)."""
     _, reference = run_once(target, Method("reference"), prompt.input_ids, max_new_tokens, profiler, temperature, seed)
-    _set_oracle_reference(methods, reference)
+    _set_oracle_reference(target, methods, prompt.input_ids, reference, max_new_tokens, profiler)
     for method in methods:
         run_once(target, method, prompt.input_ids, max_new_tokens, profiler, temperature, seed)
 
 
-def _set_oracle_reference(methods, reference):
+def _set_oracle_reference(target, methods, prompt_ids, reference, max_new_tokens, profiler, attempts=4):
+    """Give the oracle the continuation it will itself commit (untimed runs).
+
+    In fp32 that is the greedy reference. In bf16 a verify over B tokens and a one-token decode may round a near-tie
+    differently, and after such a parting every proposal from the reference would be rejected. So the oracle's own
+    output becomes its reference until a run reproduces it (same proposals -> same verify shapes -> same numerics),
+    at most ``attempts`` runs.
+    """
     for method in methods:
-        assistant = method.generate_kwargs.get("assistant_model")
-        if isinstance(assistant, OracleDrafter):
-            assistant.reference = reference
+        oracle = method.generate_kwargs.get("assistant_model")
+        if not isinstance(oracle, OracleDrafter):
+            continue
+        oracle.reference = reference
+        for _ in range(attempts):
+            _, output = run_once(target, method, prompt_ids, max_new_tokens, profiler)
+            if torch.equal(output, oracle.reference):
+                break
+            oracle.reference = output
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def _summarize_method(dataset, method, runs) -> dict | None:
 
 def _identity(runs) -> tuple[int, list[dict]]:
     """Prompts whose every run equals the reference, and for the others ``{"dataset", "prompt_id", "position",
-    "gap", "near_tie"}`` of the earliest parting (gap and near_tie from greedy runs, else None)."""
+    "gap", "error", "near_tie"}`` of the earliest parting (from greedy runs, else None)."""
     by_prompt: dict[tuple, list] = {}
     for run in runs:
         by_prompt.setdefault((run["dataset"], run["prompt_id"]), []).append(run)
@@ -84,7 +84,7 @@ def _identity(runs) -> tuple[int, list[dict]]:
         parted = [r for r in prompt_runs if r["first_diff"] is not None]
         if parted:
             first = min(parted, key=lambda r: r["first_diff"])
-            margin = first.get("divergence") or {"gap": None, "near_tie": None}
+            margin = first.get("divergence") or {"gap": None, "error": None, "near_tie": None}
             diffs.append({"dataset": dataset, "prompt_id": prompt_id, "position": first["first_diff"], **margin})
     return len(by_prompt) - len(diffs), diffs
 
@@ -164,12 +164,12 @@ def _divergence_lines(summary, temperature) -> list[str]:
         return []
     if temperature:
         return ["", "Sampling: outputs differ from the reference sample by design (different random draws)."]
-    lines = ["", "Prompts that parted from plain greedy (generated index; logit gap reference - ours at that "
-             "position, from one forward of the reference prefix; near-tie = within 4 units of the dtype's "
-             "resolution and our token in the top 2):", ""]
+    lines = ["", "Prompts that parted from plain greedy: generated index of the first difference; float32 logit gap "
+             "(reference token - ours) there and the dtype's error on those logits, from one forward of the "
+             "reference prefix; near-tie = our token in the float32 top 2 and |gap| <= 4 x error:", ""]
     for row in rows:
-        parts = [f"{d['prompt_id']} @ {d['position']} (gap {_fmt(d['gap'], '.3f')}, "
-                 f"{'near-tie' if d['near_tie'] else 'NOT a near-tie' if d['near_tie'] is False else 'length'})"
+        parts = [f"{d['prompt_id']} @ {d['position']} (gap {_fmt(d['gap'], '.3f')}, error {_fmt(d.get('error'), '.3f')}"
+                 f", {'near-tie' if d['near_tie'] else 'NOT a near-tie' if d['near_tie'] is False else 'length'})"
                  for d in row["first_diffs"]]
         lines.append(f"- {row['dataset']} / {row['method']}: " + "; ".join(parts))
     return lines

@@ -158,7 +158,7 @@ def test_bench_prompts_can_skip_the_prompts_a_drafter_was_trained_on(monkeypatch
 
 
 def test_divergence_margin_tells_a_near_tie_from_a_real_difference():
-    from dflash_hf.bench import divergence_margin
+    from dflash_hf.bench import divergence_margin, float32_twin
 
     target = tiny_target("qwen3")  # untied head: one row can be made an exact twin of another
     prompt = torch.randint(4, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
@@ -170,11 +170,21 @@ def test_divergence_margin_tells_a_near_tie_from_a_real_difference():
     parted[0, 10] = second  # committed the runner-up at generated index 2
     margin = divergence_margin(target, parted, reference, prompt_len=8, position=2)
     assert margin["gap"] == pytest.approx(float(logits[first] - logits[second])) and margin["gap"] > 0
-    assert margin["near_tie"] is False
+    assert margin["error"] == 0.0 and margin["near_tie"] is False
+    # in bf16 the gap is judged against bf16's own error on the two logits, measured against a float32 twin
+    low = tiny_target("qwen3").to(torch.bfloat16)
+    twin = float32_twin(low)
+    assert twin.dtype == torch.float32 and not twin._forward_hooks
+    with torch.no_grad():
+        exact = twin(reference[:, :10]).logits[0, -1]
+    margin = divergence_margin(low, parted, reference, 8, 2, exact=twin)
+    assert margin["gap"] == pytest.approx(float(exact[first] - exact[second]), abs=1e-5) and margin["error"] > 0
+    assert margin["near_tie"] == (abs(margin["gap"]) <= 4 * margin["error"])
     with torch.no_grad():
         target.lm_head.weight[second] = target.lm_head.weight[first]  # an exact tie
-    assert divergence_margin(target, parted, reference, prompt_len=8, position=2) == {"gap": 0.0, "near_tie": True}
-    assert divergence_margin(target, parted[:, :10], reference, 8, 2) == {"gap": None, "near_tie": None}
+    margin = divergence_margin(target, parted, reference, prompt_len=8, position=2)
+    assert margin == {"gap": 0.0, "error": 0.0, "near_tie": True}
+    assert divergence_margin(target, parted[:, :10], reference, 8, 2)["near_tie"] is None
 
 
 def test_draft_phase_covers_the_whole_draft_including_the_head(models, monkeypatch):
@@ -201,3 +211,24 @@ def test_draft_phase_covers_the_whole_draft_including_the_head(models, monkeypat
     assert drafting_rounds > 0
     assert record["phases_s"]["draft"] >= 0.01 * drafting_rounds
     assert record["phases_s"]["context"] < 0.005 * drafting_rounds
+
+
+def test_oracle_settles_on_the_continuation_it_commits(models):
+    """A reference the oracle does not reproduce (as after a bf16 near-tie) is replaced by the oracle's own output."""
+    from dflash_hf.bench import _set_oracle_reference
+
+    target, drafter = models
+    ids = prompts()[0].input_ids
+    greedy = target.generate(ids, max_new_tokens=NEW, do_sample=False)
+    wrong = greedy.clone()
+    wrong[0, ids.shape[1] + 5] = (wrong[0, ids.shape[1] + 5] + 1) % VOCAB
+    methods = build_methods(drafter, ["greedy", "oracle"])
+    profiler = PhaseProfiler(target, drafter)
+    try:
+        _set_oracle_reference(target, methods, ids, wrong, NEW, profiler)
+        oracle = methods[1].generate_kwargs["assistant_model"]
+        assert torch.equal(oracle.reference, greedy)
+        record, output = run_once(target, methods[1], ids, NEW, profiler)
+    finally:
+        profiler.remove()
+    assert torch.equal(output, greedy) and set(record["acceptance_lengths"][:-1]) == {BLOCK}

@@ -93,9 +93,9 @@ def build_block_mask(
 
 
 def block_mask_mod(anchors: torch.LongTensor, keep: torch.BoolTensor, seq_len: int, block_size: int):
-    """`build_block_mask` as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the same picture, computed
-    per tile instead of materialised (``[b, 1, N*B, S + N*B]`` is ~370 MB per sequence and layer at 512 anchors x
-    16 x 3072 context)."""
+    """`build_block_mask` as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``: the same picture, turned
+    into a block-sparse ``BlockMask`` whose fully masked tiles the kernel skips (most of the grid: a block sees only
+    the context before its anchor and itself)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size

@@ -64,6 +64,7 @@ def _summarize_method(dataset, method, runs) -> dict | None:
         "ttft_s": statistics.median(r["ttft_s"] for r in runs),
         "tau": stats.mean_acceptance_length if stats.acceptance_lengths else 1.0,
         "verified_per_round": 1 + statistics.mean(stats.proposed_lengths) if stats.proposed_lengths else 1.0,
+        "proposal_counts": {k: stats.proposed_lengths.count(k) for k in sorted(set(stats.proposed_lengths))},
         "histogram": stats.histogram,
         "per_position_acceptance": stats.per_position_acceptance,
         "phase_ms_per_round": {p: 1e3 * t for p, t in per_round.items()},
@@ -94,20 +95,29 @@ def _cost_model(row, greedy, verify_curve) -> dict:
 
     The unit ``t(1)`` is greedy's verify time per round in the same runs (interleaved, at the real context
     lengths), else the curve's one-token time. ``r_in_run`` is this method's verify time per round in that unit;
-    the prediction uses the curve at the tokens actually verified per round (``1 + mean proposals``), so prompt
-    lookup's short rounds are not charged ``r(B)``; the ceiling assumes every round verifies and commits ``B``.
+    the prediction charges each round the curve at the tokens it verified (``r_rounds``: the mean of ``r(1 + k)``
+    over the rounds' proposal counts ``k``), so prompt lookup's short rounds and the adaptive generator's plain
+    rounds are not charged ``r(B)``; the ceiling assumes every round verifies and commits ``B``.
     """
     ms = row["phase_ms_per_round"]
     t1_ms = greedy["phase_ms_per_round"]["verify"] if greedy else 1e3 * _by_int(verify_curve["median_s"], 1)
     c, o = ms["draft"] / t1_ms, (ms["context"] + ms["glue"]) / t1_ms
-    r_k = interpolate_r(verify_curve["r"], row["verified_per_round"])
+    r_k = _mean_r(verify_curve["r"], row.get("proposal_counts") or {0: 1})
     r_b = interpolate_r(verify_curve["r"], row["block"])
-    model = {"t1_ms": t1_ms, "c": c, "o": o, "r_in_run": ms["verify"] / t1_ms, "r_block": r_b,
+    model = {"t1_ms": t1_ms, "c": c, "o": o, "r_in_run": ms["verify"] / t1_ms, "r_block": r_b, "r_rounds": r_k,
              "predicted_speedup": None, "predicted_speedup_with_o": None, "ceiling": None}
     if row["block"] > 1 and r_k is not None and r_b is not None:
         model.update(predicted_speedup=row["tau"] / (r_k + c), predicted_speedup_with_o=row["tau"] / (r_k + c + o),
                      ceiling=row["block"] / (r_b + c))
     return model
+
+
+def _mean_r(curve: dict, proposal_counts: dict) -> float | None:
+    """Mean of ``r(1 + k)`` over rounds, ``proposal_counts[k]`` rounds having proposed ``k`` tokens."""
+    values = [(interpolate_r(curve, 1 + int(k)), n) for k, n in proposal_counts.items()]
+    if any(r is None for r, _ in values):
+        return None
+    return sum(r * n for r, n in values) / sum(n for _, n in values)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -232,3 +232,16 @@ def test_oracle_settles_on_the_continuation_it_commits(models):
     finally:
         profiler.remove()
     assert torch.equal(output, greedy) and set(record["acceptance_lengths"][:-1]) == {BLOCK}
+
+
+def test_prediction_charges_each_round_its_own_verify_size():
+    from dflash_hf.bench_report import _cost_model
+
+    curve = {"r": {1: 1.0, 2: 1.8, 4: 1.5, 8: 1.9, 16: 2.5}, "median_s": {1: 0.04}}
+    phases = {"draft": 2.0, "context": 0.0, "verify": 50.0, "glue": 0.0}
+    greedy = {"phase_ms_per_round": {"draft": 0.0, "context": 0.0, "verify": 40.0, "glue": 0.0}}
+    # half the rounds plain (r(1) = 1), half with 3 drafts (r(4) = 1.5): mean r 1.25, not r(2.5) on the curve
+    row = {"phase_ms_per_round": phases, "block": 16, "tau": 2.0, "proposal_counts": {0: 10, 3: 10}}
+    model = _cost_model(row, greedy, curve)
+    assert model["r_rounds"] == pytest.approx(1.25)
+    assert model["predicted_speedup"] == pytest.approx(2.0 / (1.25 + 2.0 / 40.0))

@@ -295,11 +295,11 @@ def divergence_margin(target, output: torch.LongTensor, reference: torch.LongTen
     """Why ``output`` parted from ``reference`` at generated index ``position``: is it a floating-point near-tie?
 
     ``exact`` is the target in float32 (default: ``target`` itself, which must then be float32). One forward of the
-    reference prefix in each gives, for the reference token and the token the method committed, float32 logits and
-    the target dtype's rounding error on them. Returns ``gap`` (float32 logit of the reference token minus ours),
-    ``error`` (the larger |dtype logit - float32 logit| of the two) and ``near_tie``: our token is in the float32 top
-    2 and ``|gap|`` is at most 4 x ``error`` (at least 4 float32 units at the top logit) -- the two tokens are closer
-    than the dtype can tell apart, so a verify over several tokens and a one-token decode may round either way.
+    reference prefix in each gives float32 logits and the target dtype's rounding error on them. Returns ``gap``
+    (float32 logit of the reference token minus ours), ``error`` (the largest |dtype logit - float32 logit| among the
+    reference token, ours and the float32 top token) and ``near_tie``: our token is at most 4 x ``error`` (at least 4
+    float32 units) below the float32 top logit -- closer than the dtype can tell apart (two or more tokens), so a
+    verify over several tokens and a one-token decode may round either way.
     Past the end of one output (one stopped earlier) there is nothing to compare: all None.
     """
     at = prompt_len + position
@@ -310,12 +310,12 @@ def divergence_margin(target, output: torch.LongTensor, reference: torch.LongTen
     with torch.no_grad():
         logits = target(prefix).logits[0, -1].float()
         exact_logits = logits if exact is target else exact(prefix.to(exact.device)).logits[0, -1].float().cpu()
-    ours, theirs = int(output[0, at]), int(reference[0, at])
-    top2 = exact_logits.topk(2)
-    error = max(float((logits[t] - exact_logits[t]).abs()) for t in (ours, theirs))
-    floor = 4 * torch.finfo(torch.float32).eps * float(top2.values[0].abs())
+    ours, theirs, top = int(output[0, at]), int(reference[0, at]), int(exact_logits.argmax())
+    error = max(float((logits[t] - exact_logits[t]).abs()) for t in (ours, theirs, top))
+    floor = 4 * torch.finfo(torch.float32).eps * float(exact_logits[top].abs())
+    behind = float(exact_logits[top] - exact_logits[ours])
     gap = float(exact_logits[theirs] - exact_logits[ours])
-    return {"gap": gap, "error": error, "near_tie": ours in top2.indices.tolist() and abs(gap) <= max(4 * error, floor)}
+    return {"gap": gap, "error": error, "near_tie": behind <= max(4 * error, floor)}
 
 
 def float32_twin(target):

@@ -176,7 +176,7 @@ def _divergence_lines(summary, temperature) -> list[str]:
         return ["", "Sampling: outputs differ from the reference sample by design (different random draws)."]
     lines = ["", "Prompts that parted from plain greedy: generated index of the first difference; float32 logit gap "
              "(reference token - ours) there and the dtype's error on those logits, from one forward of the "
-             "reference prefix; near-tie = our token in the float32 top 2 and |gap| <= 4 x error:", ""]
+             "reference prefix; near-tie = our token within 4 x error of the float32 top logit:", ""]
     for row in rows:
         parts = [f"{d['prompt_id']} @ {d['position']} (gap {_fmt(d['gap'], '.3f')}, error {_fmt(d.get('error'), '.3f')}"
                  f", {'near-tie' if d['near_tie'] else 'NOT a near-tie' if d['near_tie'] is False else 'length'})"

@@ -250,12 +250,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         adaptive = getattr(drafter, "adaptive_block_size", True) and self.block_size > 1
         self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
         self.stats = drafter.last_stats = DFlashStats(self.block_size)
-        # Time the head's matmul forms now, not inside a round whose cost the controller measures.
+        # Time the head's matmul forms now (once per process), not inside a round whose cost the controller measures.
         sizes = self.controller.candidates[1:] if self.controller is not None else [self.block_size - 1]
         for num_drafts in sizes:
-            rows = torch.zeros(min(num_drafts + 1, self.block_size - 1), self.lm_head.weight.shape[1],
-                               dtype=self.lm_head.weight.dtype, device=self.lm_head.weight.device)
-            head_argmax(self.lm_head, rows)
+            calibrate_head(self.lm_head, min(num_drafts + 1, self.block_size - 1))
 
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
         """``input_ids [1, n]`` -> ``([1, n + k], None)`` with ``k <= B - 1`` drafts; round 1 proposes nothing."""
@@ -335,7 +333,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         return proposals
 
 
-_FASTER_TRANSPOSED: dict[tuple, bool] = {}  # (device, dtype, rows, weight shape) -> W @ rows.T beats rows @ W.T
+_FASTER_TRANSPOSED: dict[tuple, bool] = {}  # (dtype, rows, weight shape) -> W @ rows.T beats rows @ W.T
 
 
 def head_argmax(lm_head, rows: torch.Tensor) -> torch.LongTensor:
@@ -346,15 +344,28 @@ def head_argmax(lm_head, rows: torch.Tensor) -> torch.LongTensor:
     On CPU, the first call for each (dtype, M, head shape) times both forms once and keeps the faster. A head that
     is not a bias-free ``nn.Linear``, or one on an accelerator, is simply called.
     """
-    if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None or rows.device.type != "cpu":
+    if not _is_plain_cpu_head(lm_head):
         return lm_head(rows).argmax(dim=-1)
     weight = lm_head.weight
-    key = (rows.dtype, rows.shape[0], tuple(weight.shape))
-    if key not in _FASTER_TRANSPOSED:
-        _FASTER_TRANSPOSED[key] = _fastest_time(lambda: weight @ rows.T) < _fastest_time(lambda: rows @ weight.T)
-    if _FASTER_TRANSPOSED[key]:
+    if calibrate_head(lm_head, rows.shape[0]):
         return (weight @ rows.T).argmax(dim=0)
     return (rows @ weight.T).argmax(dim=-1)
+
+
+def calibrate_head(lm_head, num_rows: int) -> bool:
+    """Whether ``W @ rows.T`` is the faster form for ``num_rows`` rows on this head; timed on first use."""
+    if not _is_plain_cpu_head(lm_head):
+        return False
+    weight = lm_head.weight
+    key = (weight.dtype, num_rows, tuple(weight.shape))
+    if key not in _FASTER_TRANSPOSED:
+        rows = torch.zeros(num_rows, weight.shape[1], dtype=weight.dtype)
+        _FASTER_TRANSPOSED[key] = _fastest_time(lambda: weight @ rows.T) < _fastest_time(lambda: rows @ weight.T)
+    return _FASTER_TRANSPOSED[key]
+
+
+def _is_plain_cpu_head(lm_head) -> bool:
+    return isinstance(lm_head, torch.nn.Linear) and lm_head.bias is None and lm_head.weight.device.type == "cpu"
 
 
 def _fastest_time(fn, repeats: int = 3) -> float:

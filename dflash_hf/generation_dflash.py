@@ -126,8 +126,10 @@ class DraftLengthController:
     chosen only when a slow one (``slow_rate``, a memory of ~16 judgements) agrees. A good drafter has streaks of
     rejections (at ``p_1 = 0.55``, four in a row every ~25 rounds); quitting on one would lose many rounds of drafting.
     It measures a short draft and plain decoding first and bounds the cost of larger sizes from below until it tries
-    them; while plain decoding wins, a short draft is re-tried with exponential back-off, so that a drafter that
-    starts to fit the text is noticed without paying a probe every few rounds.
+    them. Evidence while plain decoding wins comes from **shadow drafts** (``shadow`` set with ``k = 0``): the round
+    decodes plainly but the drafter runs, and its draft 1 is judged against the target's token -- a drafter forward
+    instead of a longer verify. It gathers ``min_evidence`` judgements of draft 1 before plain decoding may settle,
+    then re-checks with exponential back-off, so that a drafter that starts to fit the text is noticed.
     """
 
     def __init__(self, max_drafts: int, fast_rate: float = 0.2, slow_rate: float = 1 / 16, first_probe: int = 16,
@@ -140,6 +142,7 @@ class DraftLengthController:
         self.min_evidence = min_evidence  # judgements of draft 1 before plain decoding may win
         self.cost: dict[int, float] = {}
         self.probe_interval, self.rounds_without_drafts = first_probe, 0
+        self.shadow = False  # set by `choose`: draft without proposing, to judge draft 1
 
     def expected_tokens(self, num_drafts: int, slow: bool = False) -> float:
         """``E[k]``; a draft position never judged yet is assumed as good as the last judged one."""
@@ -156,18 +159,23 @@ class DraftLengthController:
         return max(self.candidates, key=lambda k: self.expected_tokens(k, slow) / self.estimated_cost(k))
 
     def choose(self) -> int:
+        """Drafts to propose next round; sets ``shadow`` for a plain round that should judge a draft anyway."""
+        self.shadow = False
         for k in (self.candidates[1], 0):  # a short draft (cheap if the drafter is useless), then plain decoding
             if k not in self.cost:
                 return k
         best = self.best() or self.best(slow=True)
-        if best > 0 or self.observations[0] < self.min_evidence:  # one unlucky first round must not decide
+        if best > 0:
             self.probe_interval, self.rounds_without_drafts = self.first_probe, 0
-            return best or self.candidates[1]
-        self.rounds_without_drafts += 1
-        if self.rounds_without_drafts < self.probe_interval:
+            return best
+        if self.observations[0] < self.min_evidence:  # one unlucky first round must not decide
+            self.shadow = True
             return 0
-        self.rounds_without_drafts, self.probe_interval = 0, 2 * self.probe_interval
-        return self.candidates[1]
+        self.rounds_without_drafts += 1
+        if self.rounds_without_drafts >= self.probe_interval:
+            self.rounds_without_drafts, self.probe_interval = 0, 2 * self.probe_interval
+            self.shadow = True
+        return 0
 
     def estimated_cost(self, num_drafts: int) -> float:
         """Measured cost; for a size not tried yet, the cost of the largest measured smaller size -- a lower bound
@@ -251,8 +259,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
         self.stats = drafter.last_stats = DFlashStats(self.block_size)
         # Time the head's matmul forms now (once per process), not inside a round whose cost the controller measures.
-        sizes = self.controller.candidates[1:] if self.controller is not None else [self.block_size - 1]
-        for num_drafts in sizes:
+        sizes = self.controller.candidates if self.controller is not None else [self.block_size - 1]
+        for num_drafts in sizes:  # k = 0: a shadow draft judges one row
             calibrate_head(self.lm_head, min(num_drafts + 1, self.block_size - 1))
 
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
@@ -267,10 +275,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         anchor = input_ids.shape[1] - 1
         self.verified_from = anchor
         wanted = self.controller.choose() if self.controller is not None else self.block_size - 1
+        shadow = self.controller is not None and self.controller.shadow
         # Never propose past max_length: the target's own token after the drafts must fit too.
-        num_drafts = min(wanted, self.max_length - input_ids.shape[1] - 1)
+        num_drafts = max(min(wanted, self.max_length - input_ids.shape[1] - 1), 0)
         self.round_drafts = None
-        proposals = self._draft(input_ids, num_drafts) if num_drafts > 0 else input_ids[:, :0]
+        proposals = self._draft(input_ids, num_drafts) if num_drafts > 0 or shadow else input_ids[:, :0]
+        self.round_is_typical &= not shadow  # a plain round plus a drafter forward: neither plain nor drafted cost
         proposals = self._stop_before_stop_strings(input_ids, proposals)
         self.round_proposed = proposals.shape[1]
         return torch.cat([input_ids, proposals], dim=-1), None

@@ -15,15 +15,26 @@ def simulate(costs, acceptance, rounds=300, seed=0, **controller_options):
     choices = []
     for _ in range(rounds):
         k = controller.choose()
-        drafted = min(k + 1, 15) if k else 0  # the generator drafts one more than it proposes
+        shadow = controller.shadow
+        assert not shadow or k == 0
+        drafted = min(k + 1, 15) if k or shadow else 0  # the generator drafts one more than it proposes
         hits = 0
         while hits < drafted and torch.rand(1, generator=generator).item() < acceptance:
             hits += 1
         judged = min(min(hits, k) + 1, drafted)  # up to the first rejection; draft k+1 by the target's own token
         controller.record_acceptance(judged, min(hits, judged))
-        controller.record_cost(k, costs[k])
-        choices.append(k)
+        if not shadow:  # the generator does not time shadow rounds
+            controller.record_cost(k, costs[k])
+        choices.append("s" if shadow else k)
     return choices
+
+
+def round_cost(costs, choices):
+    """Mean cost of the rounds in decode steps; a shadow round is plain decoding plus a drafter forward (SHADOW)."""
+    return sum(costs[0] + SHADOW if k == "s" else costs[k] for k in choices) / len(choices)
+
+
+SHADOW = 0.25  # fp32 SmolLM2: drafter forward + a one-row head, in decode steps
 
 
 # Round costs in units of one decode step, shaped like the measured fp32 CPU curve (r(4) 1.5, r(8) 1.65, r(16) 2.05)
@@ -31,13 +42,14 @@ def simulate(costs, acceptance, rounds=300, seed=0, **controller_options):
 CPU_FP32 = {0: 1.0, 3: 1.6, 7: 1.75, 15: 2.15}
 
 
-def test_useless_drafter_falls_back_to_plain_decoding_with_rare_probes():
+def test_useless_drafter_falls_back_to_plain_decoding_with_rare_shadow_probes():
     choices = simulate(CPU_FP32, acceptance=0.0)
-    assert choices[:5] == [3, 0, 3, 3, 3]  # short drafts until draft 1 was judged 4 times, plain decoding measured
-    probes = [k for k in choices[5:] if k > 0]
-    assert probes and len(probes) <= 6  # exponential back-off: 16, 32, 64, 128 rounds apart
-    extra_cost = sum(CPU_FP32[k] for k in choices) / len(choices)
-    assert extra_cost < 1.02  # under 2% slower than plain decoding over 300 rounds
+    # one short draft and one plain round measure both costs; shadow drafts judge draft 1 until 4 judgements
+    assert choices[:5] == [3, 0, "s", "s", "s"] and choices[5] == 0
+    assert all(k in (0, "s") for k in choices[2:])  # never again a drafted round
+    probes = [i for i, k in enumerate(choices[5:]) if k == "s"]
+    assert probes and len(probes) <= 5  # exponential back-off: 16, 32, 64, 128 rounds apart
+    assert round_cost(CPU_FP32, choices) < 1.01  # under 1% slower than plain decoding over 300 rounds
 
 
 def test_perfect_drafter_uses_the_whole_block():
@@ -62,6 +74,7 @@ def test_good_drafter_with_rejection_streaks_keeps_drafting(seed):
     assert choices[10:].count(0) <= 3
     # the same controller judging only on the fast estimate quits on streaks (what the slow estimate prevents)
     assert simulate(CPU_BF16, acceptance=0.5, seed=seed, slow_rate=0.2)[10:].count(0) > choices[10:].count(0)
+    assert round_cost(CPU_BF16, choices) > 1.2  # it drafts (and pays for it)
 
 
 def test_one_stalled_round_does_not_price_a_size_out():
@@ -98,3 +111,23 @@ def test_adaptive_generation_is_lossless(target, block_size):
         assert torch.equal(target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter), plain)
         assert max(drafter.last_stats.proposed_lengths) <= block_size - 1
         del drafter.make_candidate_generator
+
+
+def test_shadow_rounds_decode_plainly_judge_one_draft_and_are_not_timed(target, monkeypatch):
+    drafter = tiny_drafter(target, block_size=4, adaptive=True)
+    controllers = []
+
+    def always_shadow(self):
+        controllers.append(self)
+        self.shadow = True
+        return 0
+
+    monkeypatch.setattr(DraftLengthController, "choose", always_shadow)
+    ids = random_prompt(0)
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter), plain)
+    rounds = drafter.last_stats.num_rounds
+    assert drafter.last_stats.proposed_lengths == [0] * rounds and rounds == 11
+    controller = controllers[-1]
+    assert controller.observations[:2] == [rounds, 0]  # every round judged draft 1, never draft 2
+    assert controller.cost == {}  # shadow rounds cost neither what plain nor what drafted rounds cost

@@ -125,15 +125,16 @@ class DraftLengthController:
     of ``p`` serve two decisions: a fast moving average (``fast_rate``) picks the block size, and plain decoding is
     chosen only when a slow one (``slow_rate``, a memory of ~16 judgements) agrees. A good drafter has streaks of
     rejections (at ``p_1 = 0.55``, four in a row every ~25 rounds); quitting on one would lose many rounds of drafting.
-    It measures a short draft and plain decoding first and bounds the cost of larger sizes from below until it tries
-    them. Evidence while plain decoding wins comes from **shadow drafts** (``shadow`` set with ``k = 0``): the round
+    The first round (whose drafter forward reads the whole prompt) is a shadow draft; then it measures a short draft
+    and plain decoding and bounds the cost of larger sizes from below until it tries them. Evidence while plain
+    decoding wins comes from **shadow drafts** (``shadow`` set with ``k = 0``): the round
     decodes plainly but the drafter runs, and its draft 1 is judged against the target's token -- a drafter forward
     instead of a longer verify. It gathers ``min_evidence`` judgements of draft 1 before plain decoding may settle,
     then re-checks with exponential back-off, so that a drafter that starts to fit the text is noticed.
     """
 
     def __init__(self, max_drafts: int, fast_rate: float = 0.2, slow_rate: float = 1 / 16, first_probe: int = 16,
-                 min_evidence: int = 4):
+                 min_evidence: int = 3):
         self.candidates = sorted({0, max_drafts} | {2**i - 1 for i in range(2, 10) if 2**i - 1 < max_drafts})
         self.rates, self.first_probe = (fast_rate, slow_rate), first_probe
         self.acceptance = [[0.5] * max_drafts for _ in self.rates]  # fast and slow p_i, conditional
@@ -160,7 +161,9 @@ class DraftLengthController:
 
     def choose(self) -> int:
         """Drafts to propose next round; sets ``shadow`` for a plain round that should judge a draft anyway."""
-        self.shadow = False
+        self.shadow = not self.cost and not self.observations[0]  # the first round
+        if self.shadow:
+            return 0
         for k in (self.candidates[1], 0):  # a short draft (cheap if the drafter is useless), then plain decoding
             if k not in self.cost:
                 return k

@@ -7,7 +7,8 @@ methods in a rotated order. Each run records wall time, time to first token (str
 proposed/committed lengths and the time spent in each round phase:
 
 * **verify**: target forwards after the prefill (forward pre/post hooks on the target);
-* **draft**: drafter forwards plus the target ``lm_head`` called outside a target forward;
+* **draft**: drafter forwards plus the target ``lm_head`` called outside a target forward (for dflash-hf's
+  generator: its whole ``_draft``, head included);
 * **context**: the rest of the candidate generator's ``get_candidates`` (feeding target features, lookups);
 * **glue**: the rest of the decode window (acceptance, cache crops, stopping criteria, streamer).
 

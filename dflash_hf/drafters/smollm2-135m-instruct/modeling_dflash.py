@@ -227,50 +227,46 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
     def _layer_masks(self, attention_mask, position_ids, past_len, noise) -> list:
-        """One mask per layer: the caller's mask, plus the window on sliding-window layers (additive tensors, or
-        ``BlockMask`` when the caller passed one)."""
+        """One mask per layer: the caller's mask on full-attention layers, AND-ed with the window on sliding-window
+        layers. Each distinct mask is built once (additive tensors, or ``BlockMask`` when the caller passed one)."""
+        window = self.config.sliding_window
+        sliding = window is not None and "sliding_attention" in self.config.layer_types
         if isinstance(attention_mask, BlockMask):
-            return self._layer_block_masks(attention_mask, position_ids, past_len)
-        q_len, batch = noise.shape[1], noise.shape[0]
+            full = attention_mask
+            windowed = self._windowed_block_mask(attention_mask, position_ids, past_len) if sliding else full
+            return [windowed if t == "sliding_attention" else full for t in self.config.layer_types]
+
         allowed = None  # boolean [b, 1, Q, K], True = may attend
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             allowed = attention_mask[:, None, None, :].bool()
         elif attention_mask is not None and attention_mask.dim() == 4:
             allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        full = windowed = None if allowed is None else _additive(allowed, noise.dtype)
+        if sliding:
+            query_positions, key_positions = _query_key_positions(position_ids, past_len, noise.shape[1])
+            if int(query_positions.max() - key_positions.min()) >= window:
+                in_window = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < window
+                windowed = _additive(in_window if allowed is None else allowed & in_window, noise.dtype)
+        return [windowed if t == "sliding_attention" else full for t in self.config.layer_types]
 
+    def _windowed_block_mask(self, block_mask: BlockMask, position_ids, past_len) -> BlockMask:
+        """FlexAttention: the caller's ``BlockMask`` AND-ed with the sliding window."""
+        q_len, kv_len = block_mask.shape[-2:]
+        query_positions, key_positions = _query_key_positions(position_ids, past_len, q_len)
         window = self.config.sliding_window
-        masks = []
-        for layer_type in self.config.layer_types:
-            layer_allowed = allowed
-            if layer_type == "sliding_attention" and window is not None:
-                # The cached context always covers positions [0, past_len): the generator feeds it in order.
-                cached = torch.arange(past_len, device=noise.device).expand(batch, -1)
-                key_positions = torch.cat([cached, position_ids], dim=1)
-                query_positions = position_ids[:, -q_len:]
-                if int(query_positions.max() - key_positions.min()) >= window:
-                    in_window = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < window
-                    layer_allowed = in_window if layer_allowed is None else layer_allowed & in_window
-            masks.append(None if layer_allowed is None else _additive(layer_allowed, noise.dtype))
-        return masks
-
-
-    def _layer_block_masks(self, block_mask: BlockMask, position_ids, past_len) -> list[BlockMask]:
-        """FlexAttention: the caller's ``BlockMask``, AND-ed with the window on sliding-window layers."""
-        window = self.config.sliding_window
-        if window is None or "sliding_attention" not in self.config.layer_types:
-            return [block_mask] * len(self.config.layer_types)
-        batch = position_ids.shape[0]
-        cached = torch.arange(past_len, device=position_ids.device).expand(batch, -1)
-        key_positions = torch.cat([cached, position_ids], dim=1)  # [b, K]
-        query_positions = position_ids[:, -block_mask.shape[-2]:]  # [b, Q]
 
         def in_window(b, h, q_idx, kv_idx):
             return query_positions[b, q_idx] - key_positions[b, kv_idx] < window
 
-        q_len, kv_len = block_mask.shape[-2:]
-        windowed = create_block_mask(and_masks(block_mask.mask_mod, in_window), B=batch, H=None, Q_LEN=q_len,
-                                     KV_LEN=kv_len, device=position_ids.device)
-        return [windowed if t == "sliding_attention" else block_mask for t in self.config.layer_types]
+        return create_block_mask(and_masks(block_mask.mask_mod, in_window), B=position_ids.shape[0], H=None,
+                                 Q_LEN=q_len, KV_LEN=kv_len, device=position_ids.device)
+
+
+def _query_key_positions(position_ids, past_len: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute positions of the block's queries ``[b, Q]`` and of every key ``[b, cache + C + Q]``. The cached
+    context always covers positions ``[0, past_len)``: the generator feeds it in order."""
+    cached = torch.arange(past_len, device=position_ids.device).expand(position_ids.shape[0], -1)
+    return position_ids[:, -q_len:], torch.cat([cached, position_ids], dim=1)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

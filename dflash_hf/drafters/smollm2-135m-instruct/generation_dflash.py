@@ -257,7 +257,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.round_proposed: int | None = None  # None while the target prefills
         self.round_drafts: torch.LongTensor | None = None  # proposals plus one more draft, for the controller
         self.round_started = 0.0
-        self.round_is_typical = True  # False when the round fed more context than one block (the prompt, say)
+        self.round_is_typical = True  # whether the controller may learn this round's cost (see get_candidates)
         adaptive = getattr(drafter, "adaptive_block_size", True) and self.block_size > 1
         self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
         self.stats = drafter.last_stats = DFlashStats(self.block_size)
@@ -271,7 +271,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         now = time.perf_counter()
         if self.controller is not None and self.round_proposed is not None and self.round_is_typical:
             self.controller.record_cost(self.round_proposed, now - self.round_started)
-        self.round_started, self.round_is_typical = now, True
+        self.round_started = now
         if is_first_iteration:
             return input_ids, None
         self._collect_context(input_ids, model_outputs)
@@ -282,8 +282,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # Never propose past max_length: the target's own token after the drafts must fit too.
         num_drafts = max(min(wanted, self.max_length - input_ids.shape[1] - 1), 0)
         self.round_drafts = None
-        proposals = self._draft(input_ids, num_drafts) if num_drafts > 0 or shadow else input_ids[:, :0]
-        self.round_is_typical &= not shadow  # a plain round plus a drafter forward: neither plain nor drafted cost
+        drafting = num_drafts > 0 or shadow
+        # Not what a round of this size costs: a shadow round (plain + a drafter forward), or one whose drafter
+        # forward reads more than a block of new context (the prompt, or what plain rounds left pending).
+        fed = sum(features.shape[1] for features in self.pending_context)
+        self.round_is_typical = not shadow and (not drafting or fed <= self.block_size)
+        proposals = self._draft(input_ids, num_drafts) if drafting else input_ids[:, :0]
         proposals = self._stop_before_stop_strings(input_ids, proposals)
         self.round_proposed = proposals.shape[1]
         return torch.cat([input_ids, proposals], dim=-1), None
@@ -312,7 +316,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
         device = self.draft_device
         context = torch.cat(self.pending_context, dim=1).to(device)
         self.pending_context = []
-        self.round_is_typical = context.shape[1] <= self.block_size
         anchor = input_ids.shape[1] - 1
         position_ids = torch.arange(self.cache.get_seq_length(), anchor + self.block_size, device=device)[None]
         block_ids = torch.cat([input_ids[:, -1:], self.mask_ids], dim=-1)

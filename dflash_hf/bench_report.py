@@ -63,7 +63,6 @@ def _summarize_method(dataset, method, runs) -> dict | None:
         "decode_tok_s_max": max(r["decode_tok_s"] for r in runs),
         "ttft_s": statistics.median(r["ttft_s"] for r in runs),
         "tau": stats.mean_acceptance_length if stats.acceptance_lengths else 1.0,
-        "verified_per_round": 1 + statistics.mean(stats.proposed_lengths) if stats.proposed_lengths else 1.0,
         "proposal_counts": {k: stats.proposed_lengths.count(k) for k in sorted(set(stats.proposed_lengths))},
         "histogram": stats.histogram,
         "per_position_acceptance": stats.per_position_acceptance,

@@ -97,14 +97,19 @@ def test_report_files(greedy_result, tmp_path):
         assert paths[kind].stat().st_size > 1000
 
 
-def test_recorded_rounds_match_the_generator_stats(models):
-    target, drafter = models
+def profiled_dflash_run(target, drafter) -> dict:
+    """The record of one profiled dflash-hf run on the first prompt; the profiler is removed afterwards."""
     profiler = PhaseProfiler(target, drafter)
     try:
         (method,) = build_methods(drafter, ["dflash"])
-        record, _ = run_once(target, method, prompts()[0].input_ids, NEW, profiler)
+        return run_once(target, method, prompts()[0].input_ids, NEW, profiler)[0]
     finally:
         profiler.remove()
+
+
+def test_recorded_rounds_match_the_generator_stats(models):
+    target, drafter = models
+    record = profiled_dflash_run(target, drafter)
     assert record["acceptance_lengths"] == drafter.last_stats.acceptance_lengths
     assert record["proposed_lengths"] == drafter.last_stats.proposed_lengths
     assert "_get_candidate_generator" not in vars(target)  # the profiler leaves the target as it found it
@@ -206,12 +211,7 @@ def test_draft_phase_covers_the_whole_draft_including_the_head(models, monkeypat
         return real_head_argmax(lm_head, rows)
 
     monkeypatch.setattr(generation_dflash, "head_argmax", slow_head_argmax)
-    profiler = PhaseProfiler(target, drafter)
-    try:
-        (method,) = build_methods(drafter, ["dflash"])
-        record, _ = run_once(target, method, prompts()[0].input_ids, NEW, profiler)
-    finally:
-        profiler.remove()
+    record = profiled_dflash_run(target, drafter)
     drafting_rounds = sum(1 for k in record["proposed_lengths"] if k > 0)
     assert drafting_rounds > 0
     assert record["phases_s"]["draft"] >= 0.01 * drafting_rounds

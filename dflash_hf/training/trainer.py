@@ -69,7 +69,7 @@ def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor
     if anchors.shape[1] == 0:  # no response position can anchor a block: a zero loss that still touches every param
         return sum(p.sum() * 0.0 for p in draft.parameters()), stats
     noise_ids, position_ids = build_block_inputs(input_ids, anchors, block_size, mask_token_id, keep)
-    if draft_attention(draft) == "flex_attention":  # computed per tile on the GPU; never a dense [Q, K] tensor
+    if draft_attention(draft) == "flex_attention":  # block-sparse: the kernel skips fully masked tiles
         mask = build_flex_block_mask(anchors.to(device), keep.to(device), seq_len, block_size)
     else:
         mask = build_block_mask(anchors, keep, seq_len, block_size).to(device)

@@ -126,6 +126,7 @@ _SUBCOMMANDS = {
     "prepare": (_add_prepare_parser, _run_prepare),
     "generate": (_add_generate_parser, _run_generate),
     "distill": _delegated(".training.cli", "add_distill_parser"),
+    "features": _delegated(".training.cli", "add_features_parser"),
     "train": _delegated(".training.cli", "add_train_parser"),
     "eval": _delegated(".training.cli", "add_eval_parser"),
     "train-all": _delegated(".training.cli", "add_train_all_parser"),

@@ -13,16 +13,19 @@ from pathlib import Path
 from string import Template
 
 import torch
-from huggingface_hub import HfApi
+from huggingface_hub import CommitOperationAdd, HfApi
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import MuseGlimmerAssistantConfig
-from transformers.dynamic_module_utils import get_relative_import_files
+from transformers.dynamic_module_utils import get_relative_imports
 
 from .configuration_dflash import DFlashConfig
 from .modeling_dflash import DFlashDraftModel
 
 MODEL_CARD_TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
+
+# The remote code every dflash-hf checkpoint carries (``auto_map`` names them); one source, at the repository root.
+REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py")
 
 # z-lab name prefix -> transformers built-in (MuseGlimmerAssistantModel) name prefix; every other name is shared.
 _TO_BUILTIN = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
@@ -279,33 +282,53 @@ def _weight_problems(draft_dir: Path, expected: dict) -> list[str]:
 
 
 def _remote_code_problems(draft_dir: Path, config: dict) -> list[str]:
-    """``auto_map`` must name an ``AutoModel`` whose file, and every file it imports relatively, ships in the folder."""
+    """``auto_map`` must name an ``AutoModel`` whose file, and every file it imports relatively, is uploaded."""
     auto_map = config.get("auto_map") or {}
     if "AutoModel" not in auto_map:
         return ["config.json auto_map lacks AutoModel: `AutoModel.from_pretrained(..., trust_remote_code=True)` fails"]
-    problems = []
+    sources = upload_sources(draft_dir)
+    problems, checked = [], set()
     for reference in auto_map.values():
-        module = reference.split("--")[-1].rsplit(".", 1)[0]
-        file = draft_dir / f"{module}.py"
-        try:
-            if file.is_file():
-                get_relative_import_files(file)
-            else:
-                problems.append(f"auto_map names {reference} but {file.name} is missing")
-        except FileNotFoundError as error:
-            problems.append(f"{file.name} imports {Path(error.filename).name}, which is missing")
+        todo = [(_module_file(reference), None)]
+        while todo:
+            name, importer = todo.pop()
+            if name in checked:
+                continue
+            checked.add(name)
+            if name not in sources:
+                problems.append(f"{importer} imports {name}, which is missing" if importer
+                                else f"auto_map names {reference} but {name} is missing")
+                continue
+            todo += [(f"{module}.py", name) for module in get_relative_imports(str(sources[name]))]
     return problems
 
 
-def publishable_files(draft_dir) -> list[tuple[str, int]]:
-    """``(relative path, size in bytes)`` of every file an upload sends: all but hidden files and ``__pycache__``."""
+def _module_file(reference: str) -> str:
+    """``"repo--module.Class"`` or ``"module.Class"`` -> ``"module.py"``."""
+    return reference.split("--")[-1].rsplit(".", 1)[0] + ".py"
+
+
+def upload_sources(draft_dir) -> dict[str, Path]:
+    """What an upload of ``draft_dir`` sends, ``{path in the repository: local file}``: every file of the folder but
+    hidden files and ``__pycache__``, plus this package's remote-code files the folder lacks (a drafter folder
+    holds config, weights and card; its code is written when it is saved or pushed)."""
     draft_dir = Path(draft_dir)
-    files = []
+    sources = {}
     for path in sorted(draft_dir.rglob("*")):
         relative = path.relative_to(draft_dir)
         if path.is_file() and not any(part.startswith(".") or part == "__pycache__" for part in relative.parts):
-            files.append((relative.as_posix(), path.stat().st_size))
-    return files
+            sources[relative.as_posix()] = path
+    auto_map = (_read_config(draft_dir).get("auto_map") or {}) if (draft_dir / "config.json").is_file() else {}
+    if any(_module_file(reference) in REMOTE_CODE_FILES for reference in auto_map.values()):
+        package = Path(__file__).parent
+        for name in REMOTE_CODE_FILES:
+            sources.setdefault(name, (package / name).resolve())
+    return dict(sorted(sources.items()))
+
+
+def publishable_files(draft_dir) -> list[tuple[str, int]]:
+    """``(path in the repository, size in bytes)`` of every file an upload sends (see `upload_sources`)."""
+    return [(name, path.stat().st_size) for name, path in upload_sources(draft_dir).items()]
 
 
 def push_to_hub(
@@ -324,19 +347,18 @@ def push_to_hub(
         return files
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    api.upload_folder(
-        repo_id=repo_id,
-        folder_path=str(draft_dir),
-        allow_patterns=[name for name, _ in files],
-        commit_message="Upload DFlash drafter",
-    )
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
+                  for name, path in upload_sources(draft_dir).items()]
+    api.create_commit(repo_id=repo_id, operations=operations, commit_message="Upload DFlash drafter")
     return files
 
 
 __all__ = [
     "convert_checkpoint",
+    "REMOTE_CODE_FILES",
     "publishable_files",
     "push_to_hub",
+    "upload_sources",
     "validate_for_publishing",
     "write_model_card",
     "zlab_weight_shapes",

@@ -14,7 +14,6 @@ from dflash_hf.assets import (
     MARKER,
     AssetMissingError,
     cache_root,
-    default_draft_path,
     default_target_path,
     encode_chat,
     load_prompts,
@@ -149,11 +148,6 @@ def test_concurrent_finisher_wins(fake_target, monkeypatch):
     assert _leftovers(root) == []
 
 
-def test_default_draft_path_is_a_drafter_folder_or_none():
-    path = default_draft_path()
-    assert path is None or (path / "config.json").is_file()
-
-
 # ---- datasets ------------------------------------------------------------------------------------------------
 
 
@@ -251,15 +245,3 @@ def test_real_target_is_a_plain_chat_model(smollm2_path):
     assert plain["input_ids"][0].tolist() == tokenizer("The capital of France is")["input_ids"]
     with pytest.raises(ValueError, match="empty prompt"):
         encode_chat(tokenizer, ["  "])
-
-
-def test_shipped_drafter_carries_the_current_remote_code():
-    """``trust_remote_code`` loads the copies inside the drafter folder: they must be this package's files."""
-    from pathlib import Path
-
-    import dflash_hf
-    from dflash_hf.assets import default_draft_path
-
-    package, shipped = Path(dflash_hf.__file__).parent, default_draft_path()
-    for name in ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py"):
-        assert (shipped / name).read_text() == (package / name).read_text(), f"copy {name} into {shipped}"

@@ -23,7 +23,8 @@ from dflash_hf.hub import (
     write_model_card,
 )
 
-HUB_ASSETS = Path(__file__).resolve().parent.parent / "hub_assets"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HUB_ASSETS = REPO_ROOT / "hub_assets"
 NEW_TOKENS = 16
 
 
@@ -169,12 +170,13 @@ def test_validation_rejects_extra_weights_and_missing_card(saved_drafter):
     weights["lm_head.weight"] = torch.zeros(128, 64)
     del weights["norm.weight"]
     save_file(weights, saved_drafter / "model.safetensors", metadata={"format": "pt"})
-    (saved_drafter / "generation_dflash.py").unlink()
+    (saved_drafter / "own_dflash.py").write_text("from .own_helpers import x\n")
+    edit_config(saved_drafter, auto_map={"AutoModel": "own_dflash.DFlashDraftModel"})
 
     problems = validate_for_publishing(saved_drafter)
     assert "weight norm.weight is missing" in problems
     assert "unexpected weight lm_head.weight (the drafter borrows the target's; engines expect none)" in problems
-    assert "modeling_dflash.py imports generation_dflash.py, which is missing" in problems
+    assert "own_dflash.py imports own_helpers.py, which is missing" in problems
     assert problems[-1].startswith("README.md (model card) is missing")
 
 
@@ -189,8 +191,8 @@ class RecordingApi:
     def create_repo(self, repo_id, **kwargs):
         self.calls.append(("create_repo", repo_id, kwargs))
 
-    def upload_folder(self, **kwargs):
-        self.calls.append(("upload_folder", kwargs))
+    def create_commit(self, **kwargs):
+        self.calls.append(("create_commit", kwargs))
 
 
 def test_push_dry_run_and_upload_calls(saved_drafter, monkeypatch):
@@ -214,9 +216,23 @@ def test_push_dry_run_and_upload_calls(saved_drafter, monkeypatch):
         ("init", "t"),
         ("create_repo", "me/draft", {"private": True, "exist_ok": True, "repo_type": "model"}),
     ]
-    upload = RecordingApi.calls[2][1]
-    assert upload["repo_id"] == "me/draft" and upload["allow_patterns"] == names
+    commit = RecordingApi.calls[2][1]
+    assert commit["repo_id"] == "me/draft"
+    assert [op.path_in_repo for op in commit["operations"]] == names
     assert publishable_files(saved_drafter) == files
+
+
+def test_push_adds_the_remote_code_a_drafter_folder_lacks(saved_drafter, tmp_path):
+    """A drafter folder holds config, weights and card; the upload adds the package's remote code (real files)."""
+    write_model_card(saved_drafter)
+    for name in hub.REMOTE_CODE_FILES:
+        (saved_drafter / name).unlink()
+    assert validate_for_publishing(saved_drafter) == []
+    sources = hub.upload_sources(saved_drafter)
+    assert sorted(sources) == sorted(["README.md", "config.json", "model.safetensors", *hub.REMOTE_CODE_FILES])
+    for name in hub.REMOTE_CODE_FILES:
+        assert not sources[name].is_symlink()
+        assert sources[name].read_bytes() == (REPO_ROOT / name).read_bytes()
 
 
 class Collector(BaseStreamer):

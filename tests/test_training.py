@@ -353,6 +353,20 @@ def test_trained_drafter_beats_untrained(work, tmp_path):
     four = acceptance(target, trained, prompts, block_size=4, max_new_tokens=32)
     assert len(four["histogram"]) == 5 and max(i for i, c in enumerate(four["histogram"]) if c) <= 4
 
+    # teacher-forced tau on the distilled answer == the first real round's committed tokens: a sample cut to
+    # prompt + B tokens has one possible anchor, the first response token, which is what round 1 drafts from.
+    from dflash_hf.training.evaluate import teacher_forced_tau
+
+    data = ShardDataset(work / "data")
+    for item, ids in zip((0, 3), prompts):
+        sample = {k: v[: len(ids) + 8] for k, v in data[item].items()}
+        assert torch.equal(sample["input_ids"][: len(ids)], torch.tensor(ids))
+        measured = teacher_forced_tau(trained, target.get_input_embeddings(), target.get_output_embeddings(),
+                                      [sample], block_size=8)
+        acceptance(target, trained, [ids], block_size=8, max_new_tokens=32)
+        assert measured["blocks"] == 1
+        assert measured["tau"] == trained.last_stats.acceptance_lengths[0]
+
 
 def test_warm_start_llama_target(tmp_path):
     from transformers import AutoModelForCausalLM
@@ -398,3 +412,44 @@ def test_torchrun_two_processes_gloo(work, tmp_path):
     assert (ckpt / "rng-rank0.pt").exists() and (ckpt / "rng-rank1.pt").exists()
     assert torch.load(ckpt / "trainer_state.pt", weights_only=False)["world_size"] == 2
     assert (out / "final" / "model.safetensors").exists()
+
+
+def test_features_stage_adds_what_distill_stores(work, tmp_path):
+    """Token-only shards + `dflash-hf features` == the shards `distill` writes with features (same tokens, same
+    hidden states of the +1-offset layers), and a rerun skips finished shards."""
+    tokens_only = tmp_path / "tokens"
+    main(["distill", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--out",
+          str(tokens_only), "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "40",
+          "--target-layer-ids", LAYERS, "--no-features"])
+    assert not ShardDataset(tokens_only).has_features
+    argv = ["features", "--target", str(work / "target"), "--data", str(tokens_only), "--out",
+            str(tmp_path / "feats"), "--batch-size", "2"]
+    assert len(main(argv)["written"]) == 3
+    with_features, reference = ShardDataset(tmp_path / "feats"), ShardDataset(work / "data")
+    assert with_features.has_features and with_features.target_layer_ids == [0, 2]
+    for i in range(len(reference)):
+        assert torch.equal(with_features[i]["input_ids"], reference[i]["input_ids"])
+        torch.testing.assert_close(with_features[i]["features"].float(), reference[i]["features"].float(),
+                                   atol=0.05, rtol=0.02)
+    assert main(argv)["written"] == []
+
+
+def test_vocab_subset_head_keeps_the_loss_of_in_subset_labels():
+    """Over a subset holding every label, the loss equals the full head's loss restricted to those logits; labels
+    outside the subset carry no weight."""
+    from dflash_hf.training.trainer import VocabSubsetHead
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    ids = torch.tensor([3, 7, 11, 40])
+    subset = VocabSubsetHead(head, ids)
+    hidden = torch.randn(5, 16)
+    torch.testing.assert_close(subset(hidden), head(hidden)[:, ids])
+    assert subset.rows(torch.tensor([7, 40, 8])).tolist() == [1, 3, -1]
+
+
+def test_training_with_a_vocab_subset(work, tmp_path):
+    summary = main(train_argv(work, tmp_path / "subset", "--max-steps", "3", "--train-vocab", "40"))
+    assert summary["step"] == 3 and summary["blocks"] > 0
+    counts = ShardDataset(work / "data").frequent_response_tokens(40)
+    assert len(counts[0]) == 40 and 0 < counts[1] <= 1

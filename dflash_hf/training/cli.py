@@ -55,6 +55,22 @@ def add_distill_parser(subparsers):
     return p
 
 
+def add_features_parser(subparsers):
+    p = subparsers.add_parser("features", help="store the target's features in token-only shards",
+                              description="Token-only shards (distill --no-features) -> the same shards with the "
+                              "target's hidden states stored, so that training runs no target forward. Resumable.")
+    _add_common(p)
+    p.add_argument("--data", required=True, help="folder of token-only shard-*.safetensors")
+    p.add_argument("--out", required=True, help="output folder for the shards with features")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per teacher-forced forward")
+    p.add_argument("--target-layer-ids", type=_int_list, default=None,
+                   help="feature layers (default: the shards' ids, else build_target_layer_ids)")
+    p.add_argument("--num-features", type=int, default=5, help="feature layers when no ids are known")
+    p.set_defaults(func=run_features)
+    return p
+
+
 def _add_train_options(p):
     g = p.add_argument_group("drafter")
     g.add_argument("--mask-token-id", type=int, required=True,
@@ -75,6 +91,9 @@ def _add_train_options(p):
                    help="loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8; <= 0 for uniform")
     g.add_argument("--sample-positions", action="store_true",
                    help="keep label position k with probability w_k at unit weight (cuts lm_head cost ~2x)")
+    g.add_argument("--train-vocab", type=int, default=0,
+                   help="loss over the N most frequent response tokens only (0 = the full vocabulary): the lm_head "
+                   "is most of a CPU step; the drafter still drafts over the full vocabulary")
     g.add_argument("--max-length", type=int, default=3072, help="truncate sequences to this many tokens")
     g.add_argument("--online-features", action="store_true",
                    help="run the target for features even when the shards store them")
@@ -176,6 +195,15 @@ def run_distill(args):
     return summary
 
 
+def run_features(args):
+    from .distill import add_features
+
+    _prepare(args)
+    summary = add_features(args)
+    print(json.dumps(summary))
+    return summary
+
+
 def run_train(args):
     from .trainer import train
 
@@ -233,4 +261,4 @@ def run_train_all(args):
     return summary
 
 
-__all__ = ["add_distill_parser", "add_eval_parser", "add_train_all_parser", "add_train_parser"]
+__all__ = ["add_distill_parser", "add_features_parser", "add_eval_parser", "add_train_all_parser", "add_train_parser"]

@@ -144,6 +144,17 @@ class ShardDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
+    def frequent_response_tokens(self, count: int) -> tuple[torch.LongTensor, float]:
+        """The ``count`` most frequent token ids among response tokens (``loss_mask`` 1), and the share of response
+        tokens they cover."""
+        counts = torch.zeros(0, dtype=torch.long)
+        for input_ids, loss_mask in self._tokens.values():
+            ids = input_ids[loss_mask.bool()].long()
+            shard_counts = torch.bincount(ids, minlength=len(counts))
+            counts = torch.nn.functional.pad(counts, (0, len(shard_counts) - len(counts))) + shard_counts
+        top = counts.topk(min(count, len(counts)))
+        return top.indices.sort().values, float(top.values.sum() / counts.sum().clamp(min=1))
+
     def __getitem__(self, item: int) -> dict:
         shard, start, end = self.index[item]
         if self.max_length is not None:

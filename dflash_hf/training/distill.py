@@ -174,4 +174,49 @@ def distill(args) -> dict:
                 seconds=time.monotonic() - start)
 
 
-__all__ = ["distill", "encode_prompt", "generate_responses", "teacher_forced_features"]
+def add_features(args) -> dict:
+    """Token-only shards (``distill --no-features``) -> the same shards with the target's features stored.
+
+    Each shard of ``args.data`` is read, its sequences go through `teacher_forced_features` in batches of
+    ``args.batch_size`` (sorted by length, so padding stays small), and the shard is rewritten under ``args.out`` with
+    ``features`` added. Resumable like `distill` (an existing output shard is complete); with ``RANK``/``WORLD_SIZE``
+    process ``r`` takes shards ``r, r + W, ...``. Training from the result runs no target forward at all.
+    """
+    from safetensors import safe_open
+
+    src, out_dir = Path(args.data), Path(args.out)
+    shards = sorted(src.glob("shard-*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"No shard-*.safetensors under {src}: run `dflash-hf distill --no-features` first.")
+    if src.resolve() == out_dir.resolve():
+        raise ValueError("--out must differ from --data: the token-only shards stay as they are.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    model, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device or "cpu")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    start, tokens, written = time.monotonic(), 0, []
+    todo = [p for i, p in enumerate(shards) if i % world == rank and not (out_dir / p.name).exists()]
+    for path in tqdm(todo, unit="shard", desc="features", disable=rank != 0 or args.quiet):
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            input_ids, loss_mask = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
+            offsets = handle.get_tensor("offsets").tolist()
+        layer_ids = args.target_layer_ids or json.loads(meta.get("target_layer_ids") or "null") or \
+            default_layer_ids(model.config, args.num_features)
+        sequences = [input_ids[a:b].long().tolist() for a, b in zip(offsets, offsets[1:])]
+        features: list[torch.Tensor | None] = [None] * len(sequences)
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        for b in range(0, len(order), args.batch_size):
+            chunk = order[b : b + args.batch_size]
+            for i, feats in zip(chunk, teacher_forced_features(model, [sequences[i] for i in chunk], layer_ids,
+                                                               pad_id)):
+                features[i] = feats
+        rows = [{"input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b], "features": f}
+                for (a, b), f in zip(zip(offsets, offsets[1:]), features)]
+        write_shard(out_dir / path.name, rows, json.loads(meta.get("ids") or "[]"), layer_ids)
+        tokens += len(input_ids)
+        written.append(path.name)
+    return dict(written=written, tokens=tokens, seconds=time.monotonic() - start)
+
+
+__all__ = ["add_features", "distill", "encode_prompt", "generate_responses", "teacher_forced_features"]

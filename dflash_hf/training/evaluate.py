@@ -15,9 +15,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..generation_dflash import DFlashStats
-from ..modeling_dflash import DFlashDraftModel
-from .data import read_prompts
 from ..loading import load_target
+from ..modeling_dflash import DFlashDraftModel
+from .blocks import block_labels_and_weights, build_block_inputs, build_block_mask, sample_anchors
+from .data import collate, read_prompts
 from .distill import encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,43 @@ def acceptance(target, draft, prompt_ids: list[list[int]], block_size: int, max_
     }
 
 
+@torch.no_grad()
+def teacher_forced_tau(draft, embed_tokens, lm_head, samples: list[dict], block_size: int, num_anchors: int = 64,
+                       seed: int = 0) -> dict:
+    """tau at a fixed ``block_size`` measured on distilled sequences instead of by generating.
+
+    The shards hold the target's own greedy answers and the features it computes for them, so a block anchored at
+    response position ``a`` is accepted exactly as far as the drafter's argmax (full ``lm_head``) matches
+    ``input_ids[a+1 : a+B]``: tau of that round = 1 + the matching prefix. ``samples`` are `ShardDataset` items
+    with features; ``num_anchors`` random anchors per sequence (fixed by ``seed``). Returns pooled tau, the number
+    of blocks and per-position acceptance (the share of blocks whose first ``k`` drafts all match).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    device = next(draft.parameters()).device
+    accepted, counts = [], torch.zeros(block_size)
+    for sample in samples:
+        batch = {k: v.to(device) for k, v in collate([sample]).items()}
+        anchors, keep = sample_anchors(batch["loss_mask"], block_size, num_anchors, generator)
+        if anchors.shape[1] == 0:
+            continue
+        noise_ids, position_ids = build_block_inputs(batch["input_ids"], anchors, block_size, draft.config.mask_token_id,
+                                                     keep)
+        mask = build_block_mask(anchors, keep, batch["input_ids"].shape[1], block_size).to(device)
+        hidden = draft(noise_embedding=embed_tokens(noise_ids), target_hidden=batch["features"].to(draft.dtype),
+                       position_ids=position_ids, attention_mask=mask).last_hidden_state
+        labels, weights = block_labels_and_weights(batch["input_ids"], batch["loss_mask"], anchors, keep, block_size,
+                                                   None)
+        hits = (lm_head(hidden[0]).argmax(-1) == labels[0]) & (weights[0] > 0)
+        hits = hits.reshape(-1, block_size)[keep[0], 1:]  # [blocks, B-1]: draft k matches the target's token
+        prefix = hits.int().cumprod(dim=1)
+        accepted.append(prefix.sum(dim=1))
+        counts[1:] += prefix.sum(dim=0).cpu().float()
+    lengths = torch.cat(accepted).float() if accepted else torch.zeros(0)
+    blocks = len(lengths)
+    return {"block_size": block_size, "tau": float(1 + lengths.mean()) if blocks else float("nan"), "blocks": blocks,
+            "per_position_acceptance": (counts[1:] / max(blocks, 1)).tolist()}
+
+
 def evaluate(args) -> dict:
     """Run ``dflash-hf eval`` as configured by ``args`` (see `add_eval_parser`); returns and optionally writes JSON."""
     torch.manual_seed(0)
@@ -79,4 +117,4 @@ def evaluate(args) -> dict:
     return results
 
 
-__all__ = ["acceptance", "evaluate"]
+__all__ = ["acceptance", "evaluate", "teacher_forced_tau"]

@@ -54,12 +54,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 # ----------------------------------------------------------------------------------------------------- the loss
+class VocabSubsetHead(nn.Module):
+    """The frozen ``lm_head`` restricted to the token ids ``ids [N]``: logits ``[..., N]`` over those tokens only.
+
+    The head is most of a CPU training step (``V x H`` per label row); the few thousand tokens that make up almost
+    all of the distilled responses cost ``N / V`` of it. Labels outside the subset carry no loss (`block_loss`).
+    At inference the drafter still uses the full ``lm_head``.
+    """
+
+    def __init__(self, lm_head: nn.Linear, ids: torch.LongTensor):
+        super().__init__()
+        weight = lm_head.weight.detach()
+        self.register_buffer("weight", weight[ids.to(weight.device)].clone(), persistent=False)
+        lookup = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
+        lookup[ids.to(weight.device)] = torch.arange(len(ids), device=weight.device)
+        self.register_buffer("lookup", lookup, persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+    def rows(self, labels: torch.LongTensor) -> torch.LongTensor:
+        """Each label's row in the subset, -1 outside it."""
+        return self.lookup[labels]
+
+
 def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor, *, block_size: int,
                num_anchors: int, mask_token_id: int, gamma: float | None, generator: torch.Generator,
                sample_positions: bool = False, autocast=nullcontext) -> tuple[torch.Tensor, dict]:
     """The DFlash training loss of one batch, and its metrics (``correct``/``count`` per block position).
 
     ``features [b, S, F*H]`` are the target's concatenated hidden states for ``batch["input_ids"] [b, S]``.
+    ``lm_head`` is the target's head or a `VocabSubsetHead` (then accuracy is measured within the subset).
     """
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     device = input_ids.device
@@ -74,6 +99,10 @@ def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor
     else:
         mask = build_block_mask(anchors, keep, seq_len, block_size).to(device)
     labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block_size, gamma)
+    if isinstance(lm_head, VocabSubsetHead):
+        labels = lm_head.rows(labels)
+        weights = weights * (labels >= 0)
+        labels = labels.clamp(min=0)
     active = weights > 0
     if sample_positions:
         draw = torch.rand(weights.shape, generator=generator).to(device)
@@ -304,6 +333,12 @@ def train(args) -> dict:
     if dataset.has_features and args.target_layer_ids and dataset.target_layer_ids not in (None, args.target_layer_ids):
         raise ValueError(f"--target-layer-ids {args.target_layer_ids} differ from the shards' features "
                          f"({dataset.target_layer_ids}); redistill or pass --online-features.")
+    if args.train_vocab:
+        ids, coverage = dataset.frequent_response_tokens(args.train_vocab)
+        lm_head = VocabSubsetHead(lm_head, ids)
+        if rank == 0:
+            logger.info("loss over the %d most frequent response tokens: %.2f%% of the labels", len(ids),
+                        100 * coverage)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     gamma = args.gamma if args.gamma is not None else default_gamma(args.block_size)
 
@@ -478,4 +513,4 @@ def save_final(draft: DFlashDraftModel, path: Path, dtype: str = "bfloat16", max
     return path
 
 
-__all__ = ["block_loss", "build_draft", "save_checkpoint", "save_final", "train", "warm_start_from_target"]
+__all__ = ["VocabSubsetHead", "block_loss", "build_draft", "save_checkpoint", "save_final", "train", "warm_start_from_target"]

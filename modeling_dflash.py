@@ -10,6 +10,12 @@ Shapes used below: ``b`` batch, ``C`` new context positions, ``Q`` block (query)
 borrows the target's.
 """
 
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, and_masks, create_block_mask
@@ -164,6 +170,41 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 
+    def save_pretrained(self, save_directory, **kwargs):
+        """transformers' ``save_pretrained``, safe against a killed process and a full disk.
+
+        Everything is written to a hidden ``.tmp-save-PID`` folder inside ``save_directory`` and then moved into place
+        file by file (``os.replace``), so a file under its final name is always complete: a kill between the moves
+        leaves complete files of the old and the new save, and the next save finishes the job. The staging folder of
+        a failed save is removed, that of a killed one by the next save; weight files of an earlier save that this
+        one does not write (other shards) are removed, as transformers does. ``push_to_hub=True`` saves in place.
+        """
+        if kwargs.get("push_to_hub"):
+            return super().save_pretrained(save_directory, **kwargs)
+        directory = Path(save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob(".tmp-save-*"):
+            if not _process_alive(int(stale.name.rsplit("-", 1)[1])):
+                shutil.rmtree(stale, ignore_errors=True)
+        staging = directory / f".tmp-save-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            super().save_pretrained(staging, **kwargs)
+            written = sorted(p.name for p in staging.iterdir())
+            for name in sorted(written, key=lambda name: name == "config.json"):  # config last: it names the weights
+                os.replace(staging / name, directory / name)
+        except Exception as error:
+            if "No space left" in str(error) or getattr(error, "errno", None) == errno.ENOSPC:
+                raise OSError(errno.ENOSPC, f"No space left on device while saving the drafter to {directory}; no "
+                              "half-written file was kept: free some space and save again") from error
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if kwargs.get("is_main_process", True):
+            for path in directory.iterdir():
+                if path.name not in written and _WEIGHT_FILE.fullmatch(path.name):
+                    path.unlink()
+
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """``[b, C, F*H]`` concatenated target features -> ``[b, C, H]`` fused context (``fc`` then ``hidden_norm``)."""
         return self.hidden_norm(self.fc(target_hidden))
@@ -260,6 +301,22 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
 
         return create_block_mask(and_masks(block_mask.mask_mod, in_window), B=position_ids.shape[0], H=None,
                                  Q_LEN=q_len, KV_LEN=kv_len, device=position_ids.device)
+
+
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (its staging folder may be in use)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _query_key_positions(position_ids, past_len: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:

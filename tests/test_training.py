@@ -312,8 +312,8 @@ def test_resume_gives_identical_state(work, tmp_path):
     a = load_file(tmp_path / "a" / "checkpoints" / "step-0000006" / "model.safetensors")
     b = load_file(tmp_path / "b" / "checkpoints" / "step-0000006" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    state_a = torch.load(tmp_path / "a" / "checkpoints" / "step-0000006" / "trainer_state.pt", weights_only=False)
-    state_b = torch.load(tmp_path / "b" / "checkpoints" / "step-0000006" / "trainer_state.pt", weights_only=False)
+    state_a = torch.load(tmp_path / "a" / "checkpoints" / "step-0000006" / "trainer_state.pt", weights_only=True)
+    state_b = torch.load(tmp_path / "b" / "checkpoints" / "step-0000006" / "trainer_state.pt", weights_only=True)
     for pa, pb in zip(state_a["optimizer"]["state"].values(), state_b["optimizer"]["state"].values()):
         assert torch.equal(pa["exp_avg"], pb["exp_avg"])
     ckpt = tmp_path / "b" / "checkpoints" / "step-0000006"
@@ -410,7 +410,7 @@ def test_torchrun_two_processes_gloo(work, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     ckpt = out / "checkpoints" / "step-0000003"
     assert (ckpt / "rng-rank0.pt").exists() and (ckpt / "rng-rank1.pt").exists()
-    assert torch.load(ckpt / "trainer_state.pt", weights_only=False)["world_size"] == 2
+    assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["world_size"] == 2
     assert (out / "final" / "model.safetensors").exists()
 
 

@@ -22,13 +22,14 @@ Metadata (safetensors string map): ``ids`` (JSON list of prompt ids), ``target_l
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from ..atomic import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,8 @@ def write_shard(path, sequences: list[dict], ids: list[str], target_layer_ids: l
     if sequences and sequences[0].get("features") is not None:
         tensors["features"] = torch.cat([s["features"].to(torch.bfloat16) for s in sequences]).contiguous()
     metadata = {"format": SHARD_FORMAT, "ids": json.dumps(ids), "target_layer_ids": json.dumps(target_layer_ids)}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 class ShardDataset(torch.utils.data.Dataset):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_path
 from ..configuration_dflash import build_target_layer_ids
 from ..generation_dflash import extract_context_feature
 from ..loading import load_target
@@ -97,9 +98,8 @@ def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[i
 
 def _write_manifest(out_dir: Path, info: dict) -> None:
     done = sorted(p.name for p in out_dir.glob("shard-*.safetensors"))
-    tmp = out_dir / f".manifest.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps({**info, "finished_shards": done}, indent=2))
-    os.replace(tmp, out_dir / "manifest.json")
+    with atomic_path(out_dir / "manifest.json") as tmp:
+        tmp.write_text(json.dumps({**info, "finished_shards": done}, indent=2))
 
 
 def distill(args) -> dict:

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..atomic import atomic_path, remove, remove_stale_temporaries, removed_on_error, replace, temporary_name
 from ..configuration_dflash import DFlashConfig
 from ..generation_dflash import extract_context_feature
 from ..modeling_dflash import DFlashDraftModel
@@ -206,34 +206,51 @@ def _unwrap(model):
 
 def save_checkpoint(out_dir: Path, name: str, draft, optimizer, scheduler, state: dict, args, generator,
                     rank: int, world: int, keep: int | None = None) -> Path:
-    """Atomic: everything goes to ``.tmp-NAME``, renamed to ``checkpoints/NAME``, then ``latest`` is replaced."""
+    """Atomic: everything goes to ``.tmp-NAME``, renamed to ``checkpoints/NAME``, then ``latest`` is replaced.
+
+    Every file is plain tensors and Python values (``torch.load(..., weights_only=True)`` reads them). A folder being
+    removed (pruned, or replaced by a re-save) is renamed aside first, so a kill never leaves a partial ``step-*``;
+    what a killed save left behind is removed by the next save, and a full disk is a clear `OSError`.
+    """
     root = out_dir / "checkpoints"
     final, tmp = root / name, root / f".tmp-{name}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(".tmp-*"):  # ours, from a killed save (processes of one run save one at a time)
+            remove(stale)
+        remove_stale_temporaries(root)
         tmp.mkdir()
     _barrier(world)
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "anchors": generator.get_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-               tmp / f"rng-rank{rank}.pt")
+    with removed_on_error(tmp, final):
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "anchors": generator.get_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   tmp / f"rng-rank{rank}.pt")
     _barrier(world)
     if rank == 0:
-        _unwrap(draft).save_pretrained(tmp)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **state,
-                    "world_size": world}, tmp / "trainer_state.pt")
-        (tmp / "training_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = out_dir / ".latest.tmp"
-        pointer.write_text(f"checkpoints/{name}\n")
-        os.replace(pointer, out_dir / "latest")
+        with removed_on_error(tmp, final):
+            _unwrap(draft).save_pretrained(tmp)
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **state,
+                        "world_size": world}, tmp / "trainer_state.pt")
+            (tmp / "training_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
+        replace(tmp, final)
+        with atomic_path(out_dir / "latest") as pointer:
+            pointer.write_text(f"checkpoints/{name}\n")
         if keep:
             old = sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]
             for path in old:
-                shutil.rmtree(path, ignore_errors=True)
+                aside = temporary_name(path, "old")
+                os.replace(path, aside)
+                remove(aside)
     _barrier(world)
     return final
+
+
+def _logged_step(line: str) -> int | None:
+    """The step of a ``log.jsonl`` line; None for a line a kill cut short (it is dropped on resume)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def resolve_resume(resume: str, out_dir: Path) -> Path | None:
@@ -379,13 +396,13 @@ def train(args) -> dict:
 
     step = 0
     if resume_dir is not None:
-        state = torch.load(resume_dir / "trainer_state.pt", map_location="cpu", weights_only=False)
+        state = torch.load(resume_dir / "trainer_state.pt", map_location="cpu", weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
         rng_path = resume_dir / f"rng-rank{rank}.pt"
         if rng_path.exists() and state.get("world_size", 1) == world:
-            rng = torch.load(rng_path, weights_only=False)
+            rng = torch.load(rng_path, weights_only=True)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
             generator.set_state(rng["anchors"])
@@ -402,6 +419,11 @@ def train(args) -> dict:
     log_path, png_path = out_dir / "log.jsonl", out_dir / "curves.png"
     if rank == 0 and resume_dir is None and log_path.exists():
         log_path.unlink()
+    elif rank == 0 and log_path.exists():  # keep the lines up to the checkpoint: later steps run again
+        kept = [line for line in log_path.read_text().splitlines()
+                if (logged := _logged_step(line)) is not None and logged <= step]
+        with atomic_path(log_path) as tmp:
+            tmp.write_text("".join(line + "\n" for line in kept))
 
     start = time.monotonic()
     window = {"loss": 0.0, "n": 0, "correct": torch.zeros(args.block_size), "count": torch.zeros(args.block_size),
@@ -503,13 +525,10 @@ def train(args) -> dict:
 def save_final(draft: DFlashDraftModel, path: Path, dtype: str = "bfloat16", max_shard_size: str | None = None):
     """The drafter alone, in the z-lab layout, in ``dtype``; atomically (tmp dir + rename)."""
     path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
     model = copy.deepcopy(_unwrap(draft)).to(DTYPES[dtype])  # a copy: casting back would round the live weights
     options = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(tmp, **options)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    with atomic_path(path, directory=True) as tmp:
+        model.save_pretrained(tmp, **options)
     return path
 
 

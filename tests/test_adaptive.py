@@ -154,7 +154,7 @@ def test_lookup_rounds_are_lossless_and_commit_repeated_text(target):
     drafter = tiny_drafter(target, block_size=8, adaptive=True)
     for seed in range(3):
         ids = random_prompt(seed)
-        plain = target.generate(ids, max_new_tokens=80, do_sample=False)
+        plain = target.generate(ids, max_new_tokens=60, do_sample=False)
         sources = []
         original = DFlashCandidateGenerator.get_candidates
 
@@ -165,7 +165,7 @@ def test_lookup_rounds_are_lossless_and_commit_repeated_text(target):
 
         DFlashCandidateGenerator.get_candidates = record
         try:
-            out = target.generate(ids, max_new_tokens=80, do_sample=False, assistant_model=drafter)
+            out = target.generate(ids, max_new_tokens=60, do_sample=False, assistant_model=drafter)
         finally:
             DFlashCandidateGenerator.get_candidates = original
         assert torch.equal(out, plain)

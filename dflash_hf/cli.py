@@ -29,13 +29,31 @@ def _add_prepare_parser(subparsers) -> None:
 
 
 def _run_prepare(args) -> None:
-    from .assets import prepare_datasets, prepare_default_target
+    from .assets import check_prerequisites, default_target_path, prepare_datasets, prepare_default_target
 
+    convert = not args.skip_target and default_target_path(args.cache_dir, args.dtype) is None
+    check_prerequisites(target=convert, datasets=args.datasets)  # everything missing, in one message
     if not args.skip_target:
         print(f"target: {prepare_default_target(args.cache_dir, dtype=args.dtype, progress=True)}")
     if args.datasets:
         for name, path in prepare_datasets(args.cache_dir, args.datasets, progress=True).items():
             print(f"{name}: {path}")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (rejected at parsing, before any model loads)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0 (a temperature: 0 means greedy)."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or positive, got {text}")
+    return value
 
 
 DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
@@ -44,18 +62,19 @@ DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she
 def _add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "generate",
-        help="generate with DFlash, streaming the answer; --compare also runs plain greedy",
+        help="generate with DFlash, streaming the answer; --compare also runs plain decoding",
         description="Stream an answer as the target commits it, then print tokens/s, the mean acceptance length "
         "(tau) and the acceptance histogram. Greedy unless --temperature > 0.",
     )
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt (default: a GSM8K question)")
     p.add_argument("--target", default="default", help="target model folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="default", help="drafter folder, 'default' (shipped drafter) or 'none'")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the target")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
-    p.add_argument("--compare", action="store_true", help="also run plain greedy and compare speed and tokens")
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain decoding with the same settings (greedy or sampled) and compare speed")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; oversubscription is slow)")
 
 
@@ -70,7 +89,8 @@ def _run_generate(args) -> None:
 def _add_card_parser(subparsers) -> None:
     p = subparsers.add_parser("card", help="write a Hub model card (README.md) into a drafter folder")
     p.add_argument("draft_dir")
-    p.add_argument("--target", dest="target_name", help="the target's Hub id or name (base_model)")
+    p.add_argument("--target", dest="target_name", required=True,
+                   help="the target's Hub id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct (the card's base_model)")
     p.add_argument("--draft-name", help="the drafter's Hub id used in the usage snippets")
 
 
@@ -87,12 +107,13 @@ def _add_convert_parser(subparsers) -> None:
     p.add_argument("src_dir")
     p.add_argument("dst_dir")
     p.add_argument("--to", choices=["builtin", "zlab"], required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace dst_dir if it exists (default: refuse)")
 
 
 def _run_convert(args) -> None:
     from .hub import convert_checkpoint
 
-    print(convert_checkpoint(args.src_dir, args.dst_dir, to=args.to))
+    print(convert_checkpoint(args.src_dir, args.dst_dir, to=args.to, overwrite=args.overwrite))
 
 
 def _add_push_parser(subparsers) -> None:
@@ -139,9 +160,12 @@ _SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand of :data:`_SUBCOMMANDS`."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="dflash-hf", description="DFlash speculative-decoding drafters for Hugging Face transformers."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_parser, _ in _SUBCOMMANDS.values():
         add_parser(subparsers)

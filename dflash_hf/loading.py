@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from .errors import DFlashUserError
+from .files import check_safetensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,6 +24,7 @@ def load_target(spec: str | None = "default", dtype: str = "float32", device: st
         path = Path(spec)
         if not (path / "config.json").is_file():
             raise DFlashUserError(f"target folder {spec!r} has no config.json: pass a local model folder or 'default'")
+    check_safetensors(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
     model.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(path)
@@ -55,6 +57,7 @@ def load_drafter(spec: str | None, target=None, dtype: str | None = None, tokeni
         path = Path(spec)
     if not (path / "config.json").is_file():
         raise DFlashUserError(f"drafter folder {str(path)!r} has no config.json: pass a DFlash drafter folder")
+    check_safetensors(path)
     drafter = DFlashDraftModel.from_pretrained(path, dtype=DTYPES[dtype] if dtype else "auto").eval()
     if target is not None:
         try:

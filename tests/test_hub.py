@@ -138,10 +138,12 @@ def test_model_card(saved_drafter):
     assert "--attention-backend flash_attn" in text
     assert "--speculative-algorithm DFLASH" in text and "--speculative-num-draft-tokens 4" in text
 
-    # Without a target: no base_model, a placeholder in the commands, no acceptance section.
-    text = write_model_card(saved_drafter).read_text()
-    assert "base_model" not in yaml.safe_load(text.split("---\n")[1])
-    assert "vllm serve <target-model>" in text and "Measured acceptance" not in text
+    # Without a target the card would publish a placeholder: refused, and the card written above is kept.
+    with pytest.raises(ValueError, match="needs the target's Hub id"):
+        write_model_card(saved_drafter)
+    assert card.read_text() == text
+    # Without measurements: no acceptance section.
+    assert "Measured acceptance" not in write_model_card(saved_drafter, "Qwen/Qwen3-8B").read_text()
 
 
 def edit_config(path: Path, **changes):
@@ -201,7 +203,7 @@ def test_push_dry_run_and_upload_calls(saved_drafter, monkeypatch):
     with pytest.raises(ValueError, match="README.md \\(model card\\) is missing"):
         push_to_hub(saved_drafter, "me/draft", dry_run=True)
 
-    write_model_card(saved_drafter)
+    write_model_card(saved_drafter, "Qwen/Qwen3-8B")
     (saved_drafter / "__pycache__").mkdir()
     (saved_drafter / "__pycache__" / "x.pyc").write_bytes(b"0")
     files = push_to_hub(saved_drafter, "me/draft", dry_run=True)
@@ -224,7 +226,7 @@ def test_push_dry_run_and_upload_calls(saved_drafter, monkeypatch):
 
 def test_push_adds_the_remote_code_a_drafter_folder_lacks(saved_drafter, tmp_path):
     """A drafter folder holds config, weights and card; the upload adds the package's remote code (real files)."""
-    write_model_card(saved_drafter)
+    write_model_card(saved_drafter, "Qwen/Qwen3-8B")
     for name in hub.REMOTE_CODE_FILES:
         (saved_drafter / name).unlink()
     assert validate_for_publishing(saved_drafter) == []

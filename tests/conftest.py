@@ -138,13 +138,13 @@ def save_chat_target(path, arch: str = "qwen3", num_layers: int = 4, seed: int =
     return path
 
 
-def save_chat_drafter(path, target_path, **overrides) -> Path:
+def save_chat_drafter(path, target_path, block_size: int = 4, **overrides) -> Path:
     """Save a `tiny_drafter` for the target saved at ``target_path`` (masking with its ``<mask>`` token)."""
     from transformers import AutoConfig
 
     config = DFlashConfig.from_target_config(
         AutoConfig.from_pretrained(target_path), mask_token_id=mask_token_id(chat_tokenizer()), num_hidden_layers=2,
-        block_size=4, **overrides
+        block_size=block_size, **overrides
     )
     torch.manual_seed(1)
     DFlashDraftModel(config).save_pretrained(path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompt, tiny_target
+from conftest import random_prompt, randomize_norms, tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
 from transformers import MuseGlimmerAssistantModel
 from transformers.generation import BaseStreamer
@@ -37,17 +37,8 @@ def target():
 
 
 def make_drafter(target, dtype=torch.float32, **overrides) -> DFlashDraftModel:
-    """Random drafter whose norms are random too, so that a wrong rename of ``hidden_norm`` would show."""
-    config = DFlashConfig.from_target_config(
-        target.config, mask_token_id=3, num_hidden_layers=2, block_size=4, target_layer_ids=[1, 2], **overrides
-    )
-    torch.manual_seed(1)
-    drafter = DFlashDraftModel(config)
-    with torch.no_grad():
-        for name, parameter in drafter.named_parameters():
-            if "norm" in name:
-                parameter.uniform_(0.5, 1.5)
-    return drafter.to(dtype).eval()
+    """A tiny drafter with random norms too, so that a wrong rename of ``hidden_norm`` would show."""
+    return randomize_norms(tiny_drafter(target, target_layer_ids=[1, 2], **overrides)).to(dtype)
 
 
 @pytest.fixture

@@ -40,22 +40,6 @@ def _run_prepare(args) -> None:
             print(f"{name}: {path}")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (rejected at parsing, before any model loads)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a finite float >= 0 (a temperature: 0 means greedy)."""
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or positive, got {text}")
-    return value
-
-
 DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
 
@@ -69,12 +53,15 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt (default: a GSM8K question)")
     p.add_argument("--target", default="default", help="target model folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="default", help="drafter folder, 'default' (shipped drafter) or 'none'")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256)
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the target")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="dtype of the target; auto = bfloat16 where the machine computes it natively, else float32")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
     p.add_argument("--compare", action="store_true",
-                   help="also run plain decoding with the same settings (greedy or sampled) and compare speed")
+                   help="also run plain decoding: warm-up, interleaved timed runs, medians, token comparison")
+    p.add_argument("--compare-runs", type=int, default=2, help="timed runs of each path with --compare")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (--temperature > 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; oversubscription is slow)")
 
 
@@ -83,6 +70,13 @@ def _run_generate(args) -> None:
 
     if not args.prompt.strip():
         raise DFlashUserError("the prompt is empty: pass some text, e.g. dflash-hf generate 'What is 2+2?'")
+    if not args.temperature >= 0:  # also refuses nan
+        raise DFlashUserError(f"--temperature {args.temperature} is negative or not a number: pass 0 (greedy) or a "
+                              "positive value")
+    if args.max_new_tokens < 1:
+        raise DFlashUserError(f"--max-new-tokens {args.max_new_tokens}: pass at least 1")
+    if args.compare_runs < 1:
+        raise DFlashUserError(f"--compare-runs {args.compare_runs}: pass at least 1")
     run_generate(args)
 
 

@@ -80,6 +80,9 @@ def _add_train_options(p):
     g.add_argument("--target-layer-ids", type=_int_list, default=None,
                    help="feature layers (default: the shards' ids, else build_target_layer_ids)")
     g.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
+    g.add_argument("--init-from", default=None,
+                   help="start from this trained drafter folder (its shape; fresh optimizer and schedule), e.g. the "
+                   "shipped one: training accumulates across runs")
     g.add_argument("--warm-start", action="store_true",
                    help="copy the target's top layers and final norm into the drafter; fc selects the last feature")
     g.add_argument("--attn-implementation", default="auto", choices=["auto", "flex_attention", "sdpa", "eager"],

@@ -53,11 +53,13 @@ def tiny_target(kind: str = "qwen3", seed: int = 0, attn: str = "sdpa", head_sca
 
 
 def tiny_drafter(
-    target, block_size: int = 4, seed: int = 1, attn: str = "sdpa", num_layers: int = 2, adaptive=False, **overrides
+    target, block_size: int = 4, seed: int = 1, attn: str = "sdpa", num_layers: int = 2, adaptive=False,
+    mask_token_id: int = MASK_ID, **overrides
 ):
-    """A random drafter for ``target``; fixed full blocks unless ``adaptive`` (timing-dependent block sizes)."""
+    """A random drafter for ``target`` (any target: the real one too); fixed full blocks unless ``adaptive``
+    (timing-dependent block sizes). ``overrides`` go to the config."""
     config = DFlashConfig.from_target_config(
-        target.config, mask_token_id=MASK_ID, num_hidden_layers=num_layers, block_size=block_size, **overrides
+        target.config, mask_token_id=mask_token_id, num_hidden_layers=num_layers, block_size=block_size, **overrides
     )
     config._attn_implementation = attn
     torch.manual_seed(seed)

@@ -191,7 +191,7 @@ def _check_records(records):
 
 
 @_needs("gsm8k")
-def test_gsm8k():
+def test_gsm8k_reads_all_1319_questions():
     records = load_prompts("gsm8k")
     _check_records(records)
     assert len(records) == 1319 and records[0]["turns"][0].startswith("Janet’s ducks lay 16 eggs")

@@ -118,7 +118,7 @@ def test_builtin_conversion_decodes_like_ours(target, saved_drafter, tmp_path, p
     assert torch.equal(greedy(target, prompt, assistant_model=builtin, speculation_type="dflash"), plain)
 
 
-def test_model_card(saved_drafter):
+def test_model_card_fills_base_model_commands_and_acceptance(saved_drafter):
     yaml = pytest.importorskip("yaml")
     card = write_model_card(saved_drafter, "Qwen/Qwen3-8B", {"gsm8k": 5.123, "mt-bench": 3.5}, "me/qwen3-dflash")
     text = card.read_text()

@@ -119,7 +119,7 @@ def test_block_inputs_labels_and_weights():
     assert labels.tolist() == [[16, 17, 0]] and weights.tolist() == [[0.0, 1.0, 0.0]]
 
 
-def test_sample_anchors():
+def test_sample_anchors_stay_in_the_response_sorted_and_seeded():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
     for seed in range(20):
         anchors, keep = sample_anchors(loss_mask, 4, 3, torch.Generator().manual_seed(seed))
@@ -239,7 +239,7 @@ def test_training_attention_choice():
         resolve_attention("flex_attention", torch.device("cpu"))
 
 
-def test_overfit_one_sequence(work):
+def test_drafter_overfits_one_sequence(work):
     """The pipeline can learn: one sequence, ~100% accuracy at every block position."""
     from transformers import AutoModelForCausalLM
 

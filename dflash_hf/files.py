@@ -123,8 +123,9 @@ def write_file(path, chunks: Iterable[str]) -> None:
             os.unlink(tmp)
 
 
-def check_safetensors(folder) -> None:
-    """Raise a ``ValueError`` naming the file when a ``*.safetensors`` file in ``folder`` is empty or damaged.
+def check_safetensors(folder, fix: str | None = None) -> None:
+    """Raise a ``ValueError`` naming the file when a ``*.safetensors`` file in ``folder`` is empty or damaged, and
+    ``fix`` (default: copy or save the weights again).
 
     Reads only the headers (cheap); safetensors' own ``SafetensorError`` otherwise surfaces as a traceback deep
     inside ``from_pretrained``.
@@ -138,4 +139,4 @@ def check_safetensors(folder) -> None:
         except Exception as err:  # safetensors raises SafetensorError (not an OSError) for a bad header
             size = path.stat().st_size
             what = "is empty" if size == 0 else f"is not a readable safetensors file ({err})"
-            raise ValueError(f"{path} {what}: copy or save the weights again") from None
+            raise ValueError(f"{path} {what}: {fix or 'copy or save the weights again'}") from None

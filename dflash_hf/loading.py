@@ -49,7 +49,8 @@ def load_target(spec: str | None = "default", dtype: str = "float32", device: st
         path = Path(spec)
         if not (path / "config.json").is_file():
             raise DFlashUserError(f"target folder {spec!r} has no config.json: pass a local model folder or 'default'")
-    check_safetensors(path)
+    # The cached default target is ours to rebuild; a user's folder is theirs to repair.
+    check_safetensors(path, fix=f"delete {path} and run `dflash-hf prepare`" if spec in (None, "default") else None)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
     model.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(path)

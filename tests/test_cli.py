@@ -155,3 +155,13 @@ def test_distill_of_only_malformed_lines_fails_with_the_reason(tmp_path, monkeyp
     assert main(["distill", "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--target", "x"]) == 1
     err = one_line_error(capsys, "distill")
     assert f"no usable prompt in {prompts}" in err and ":1: not JSON" in err and ":2: no user turn found" in err
+
+
+def test_damaged_cached_default_target_says_how_to_rebuild_it(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "targets" / "smollm2-135m-instruct-float32"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(assets, "prepare_default_target", lambda *a, **k: folder)
+    assert main(["generate", "hi", "--draft", "none", "--dtype", "float32"]) == 1
+    assert one_line_error(capsys, "generate").endswith(f"is empty: delete {folder} and run `dflash-hf prepare`")

@@ -235,7 +235,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.block_size = drafter.config.block_size
+        self.block_size, adaptive = draft_settings(drafter, generation_config)
         self.max_length = generation_config.max_length
         self.layer_ids = list(drafter.config.target_layer_ids)
         # Ask the verify forward for just the layers we read; a user asking for all hidden states gets all of them
@@ -258,7 +258,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.round_drafts: torch.LongTensor | None = None  # proposals plus one more draft, for the controller
         self.round_started = 0.0
         self.round_is_typical = True  # whether the controller may learn this round's cost (see get_candidates)
-        adaptive = getattr(drafter, "adaptive_block_size", True) and self.block_size > 1
         self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
         # Prompt lookup next to the drafter (adaptive mode only): its own acceptance estimates, same estimator.
         self.lookup_ngram = getattr(drafter, "prompt_lookup_ngram", 3) if adaptive else 0
@@ -381,6 +380,34 @@ class DFlashCandidateGenerator(CandidateGenerator):
         return proposals
 
 
+# transformers fills `num_assistant_tokens` / `num_assistant_tokens_schedule` that a call left unset with these.
+_UNSET_NUM_ASSISTANT_TOKENS, _ADAPTIVE_SCHEDULES = 20, ("heuristic", "heuristic_transient")
+
+
+def draft_settings(drafter, generation_config) -> tuple[int, bool]:
+    """``(block size, adaptive)`` for one ``generate`` call, from transformers' assisted-decoding arguments.
+
+    ``num_assistant_tokens=k`` drafts blocks of ``k + 1`` (anchor + k drafts; at most the drafter's ``block_size``,
+    ``k=0`` is plain decoding). ``num_assistant_tokens_schedule="heuristic"`` (or ``"heuristic_transient"``) lets
+    `DraftLengthController` choose up to ``k`` drafts per round; ``"constant"`` with an explicit ``k`` always
+    proposes ``k``. transformers fills what the call left unset with 20 and ``"constant"`` (indistinguishable from
+    an explicit 20): then the drafter's defaults hold, ``config.block_size`` and ``adaptive_block_size``.
+    """
+    block_size = drafter.config.block_size
+    adaptive = getattr(drafter, "adaptive_block_size", True)
+    num_drafts = generation_config.num_assistant_tokens
+    explicit = num_drafts is not None and num_drafts != _UNSET_NUM_ASSISTANT_TOKENS
+    if explicit:
+        if int(num_drafts) != num_drafts or num_drafts < 0:
+            raise ValueError(f"num_assistant_tokens must be a whole number >= 0, got {num_drafts!r}.")
+        block_size = min(block_size, int(num_drafts) + 1)
+    if generation_config.num_assistant_tokens_schedule in _ADAPTIVE_SCHEDULES:
+        adaptive = True
+    elif explicit:
+        adaptive = False
+    return block_size, adaptive and block_size > 1
+
+
 def prompt_lookup(tokens: torch.LongTensor, max_ngram: int, num_tokens: int) -> torch.LongTensor | None:
     """Prompt lookup: find the latest earlier occurrence of the last ``n`` tokens of ``tokens [n_ctx]`` (longest
     ``n <= max_ngram`` first) and return the ``num_tokens`` tokens that followed it, or None.
@@ -459,8 +486,9 @@ class DFlashDrafterMixin:
 
     _is_dflash_drafter = True
     last_stats: DFlashStats | None = None
-    # Choose the number of drafts per round from measured costs and acceptance (`DraftLengthController`);
-    # False always proposes block_size - 1 drafts (as the reference does).
+    # The default for calls that do not choose (see `draft_settings`): choose the number of drafts per round from
+    # measured costs and acceptance (`DraftLengthController`); False always proposes block_size - 1 drafts (as the
+    # reference does). Per call: generate(..., num_assistant_tokens=k, num_assistant_tokens_schedule=...).
     adaptive_block_size: bool = True
     # With the adaptive block size: longest n-gram prompt lookup matches (0 = off). A round proposes the lookup's
     # continuation instead of the drafter's block when that is expected to commit more tokens per second.
@@ -602,6 +630,7 @@ __all__ = [
     "DFlashStats",
     "DraftLengthController",
     "check_drafter_fits_target",
+    "draft_settings",
     "extract_context_feature",
     "head_argmax",
     "install_dflash_dispatch",

@@ -135,6 +135,40 @@ def test_shadow_rounds_decode_plainly_judge_one_draft_and_are_not_timed(target, 
     assert controller.cost == {}  # shadow rounds cost neither what plain nor what drafted rounds cost
 
 
+# ---- settings per call ---------------------------------------------------------------------------------------
+
+
+def test_block_size_and_adaptivity_are_generate_arguments():
+    from conftest import random_prompt, tiny_drafter, tiny_target
+    from transformers import GenerationConfig
+
+    from dflash_hf.generation_dflash import draft_settings
+
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+
+    def settings(**kwargs):
+        return draft_settings(drafter, GenerationConfig(**(GenerationConfig._get_default_generation_params() | kwargs)))
+
+    assert settings() == (8, True)  # transformers' defaults: the drafter's own settings
+    assert settings(num_assistant_tokens=3) == (4, False)  # an explicit k with the constant schedule: fixed blocks
+    assert settings(num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic") == (4, True)
+    assert settings(num_assistant_tokens=50) == (8, False)  # never past the drafter's block
+    assert settings(num_assistant_tokens=0) == (1, False)  # plain decoding
+    with pytest.raises(ValueError, match="num_assistant_tokens must be"):
+        settings(num_assistant_tokens=-1)
+
+    prompt = random_prompt(3)
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter, num_assistant_tokens=3)
+    assert torch.equal(out, plain)
+    stats = drafter.last_stats
+    assert stats.block_size == 4 and set(stats.proposed_lengths[:-3]) == {3}  # the last rounds stop at max_length
+    assert drafter.config.block_size == 8 and drafter.adaptive_block_size  # the drafter is unchanged
+    target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    assert drafter.last_stats.block_size == 8  # the next call is back to the default
+
+
 # ---- prompt lookup next to the drafter ------------------------------------------------------------------------
 
 

@@ -1,7 +1,7 @@
 """``dflash-hf eval``: acceptance length tau of a drafter on held-out prompts, greedy, per block size.
 
-For each block size the drafter's ``config.block_size`` is set before ``generate``; `DFlashCandidateGenerator` reads
-it when it is built (once per ``generate`` call), so one loaded drafter serves every size. tau is the mean number of
+Each block size is a ``generate`` argument (``num_assistant_tokens=B - 1`` with the ``"constant"`` schedule: full
+blocks of B, see `draft_settings`), so one loaded drafter serves every size up to its own and is never changed. tau is the mean number of
 tokens committed per verify round, the target's bonus token included (``draft.last_stats``), pooled over all rounds
 of all prompts; the histogram counts rounds by committed tokens ``0..B``.
 """
@@ -31,20 +31,19 @@ def acceptance(target, draft, prompt_ids: list[list[int]], block_size: int, max_
 
     Every round proposes the whole block (the adaptive controller is off), so tau is the drafter's, at this size.
     """
-    original, adaptive = draft.config.block_size, draft.adaptive_block_size
-    draft.config.block_size, draft.adaptive_block_size = block_size, False
+    if not 1 <= block_size <= draft.config.block_size:
+        raise ValueError(f"block size {block_size} is outside 1..{draft.config.block_size}, the drafter's block_size")
+    fixed_blocks = dict(num_assistant_tokens=block_size - 1, num_assistant_tokens_schedule="constant")
     lengths, proposed, seconds, new_tokens = [], [], 0.0, 0
-    try:
-        for ids in tqdm(prompt_ids, desc=f"eval B={block_size}", disable=quiet, leave=False):
-            input_ids = torch.tensor([ids], device=target.device)
-            start = time.monotonic()
-            out = target.generate(input_ids, assistant_model=draft, max_new_tokens=max_new_tokens, do_sample=False)
-            seconds += time.monotonic() - start
-            new_tokens += out.shape[1] - len(ids)
-            lengths += draft.last_stats.acceptance_lengths
-            proposed += draft.last_stats.proposed_lengths
-    finally:
-        draft.config.block_size, draft.adaptive_block_size = original, adaptive
+    for ids in tqdm(prompt_ids, desc=f"eval B={block_size}", disable=quiet, leave=False):
+        input_ids = torch.tensor([ids], device=target.device)
+        start = time.monotonic()
+        out = target.generate(input_ids, assistant_model=draft, max_new_tokens=max_new_tokens, do_sample=False,
+                              **fixed_blocks)
+        seconds += time.monotonic() - start
+        new_tokens += out.shape[1] - len(ids)
+        lengths += draft.last_stats.acceptance_lengths
+        proposed += draft.last_stats.proposed_lengths
     pooled = DFlashStats(block_size, acceptance_lengths=lengths, proposed_lengths=proposed)
     return {
         "block_size": block_size,

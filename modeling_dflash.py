@@ -35,6 +35,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from .configuration_dflash import DFlashConfig
 from .generation_dflash import DFlashDrafterMixin, extract_context_feature, install_dflash_dispatch
 
+# transformers 5.24 renamed the output's cache field to ``cache`` (the old name warns on every call); 5.23 has only
+# ``past_key_values``. Build outputs under the name the installed version declares.
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on ``x [b, heads, T, d]`` with ``cos``/``sin`` ``[b, T, d]`` for the same T positions."""
@@ -265,7 +269,8 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
                 cache_block=cache_block,
                 **kwargs,
             )
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        outputs = {"last_hidden_state": self.norm(hidden_states), _OUTPUT_CACHE_FIELD: past_key_values}
+        return BaseModelOutputWithPast(**outputs)
 
     def _layer_masks(self, attention_mask, position_ids, past_len, noise) -> list:
         """One mask per layer: the caller's mask on full-attention layers, AND-ed with the window on sliding-window

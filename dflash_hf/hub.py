@@ -9,17 +9,20 @@ Nothing here parses command lines; nothing but `push_to_hub` (without ``dry_run`
 """
 
 import json
+import shutil
 from pathlib import Path
 from string import Template
 
 import torch
 from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import MuseGlimmerAssistantConfig
 from transformers.dynamic_module_utils import get_relative_imports
 
 from .configuration_dflash import DFlashConfig
+from .files import check_safetensors, write_folder
 from .modeling_dflash import DFlashDraftModel
 
 MODEL_CARD_TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
@@ -112,14 +115,16 @@ def write_model_card(
 ) -> Path:
     """Write ``README.md`` into a drafter folder from `MODEL_CARD_TEMPLATE`, with copy-paste serving commands.
 
-    ``target_name`` is the target's Hub id (becomes ``base_model``), ``acceptance_table`` maps a dataset name to its
-    measured tau (tokens committed per verify round), ``draft_name`` is the drafter's Hub id used in the commands
-    (defaults to the folder name). Returns the card's path.
+    ``target_name`` is the target's Hub id (becomes ``base_model``; required: a card without it would publish a
+    placeholder), ``acceptance_table`` maps a dataset name to its measured tau (tokens committed per verify round),
+    ``draft_name`` is the drafter's Hub id used in the commands (defaults to the folder name). Returns the card's path.
     """
     draft_dir = Path(draft_dir)
+    if not target_name:
+        raise ValueError("the model card needs the target's Hub id (its base_model): pass --target / target_name")
+    _require_drafter_folder(draft_dir)
     config = _read_config(draft_dir)
     block_size, layer_ids, mask_id = _dflash_fields(config)
-    target = target_name or "<target-model>"
     acceptance = ""
     if acceptance_table:
         rows = "\n".join(f"| {dataset} | {tau:.2f} |" for dataset, tau in acceptance_table.items())
@@ -128,9 +133,9 @@ def write_model_card(
             f"| Dataset | tau |\n|---|---|\n{rows}\n"
         )
     card = Template(MODEL_CARD_TEMPLATE.read_text()).substitute(
-        base_model_line=f"base_model: {target_name}\n" if target_name else "",
+        base_model_line=f"base_model: {target_name}\n",
         draft_name=draft_name or draft_dir.resolve().name,
-        target=target,
+        target=target_name,
         block_size=block_size,
         drafts_per_round=block_size - 1,
         num_layers=config["num_hidden_layers"],
@@ -143,10 +148,19 @@ def write_model_card(
     return path
 
 
+def _require_drafter_folder(folder: Path) -> None:
+    """A ``FileNotFoundError`` naming the folder when it is not a local drafter folder (no ``config.json``)."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder: pass a local drafter folder (config.json + *.safetensors)")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: pass a local drafter folder")
+
+
 def _load_weights(src_dir: Path) -> dict[str, torch.Tensor]:
     files = sorted(src_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"No *.safetensors weights in {src_dir}.")
+    check_safetensors(src_dir)
     weights = {}
     for file in files:
         weights.update(load_file(file))
@@ -163,22 +177,29 @@ def _rename(weights: dict, renames: dict) -> dict:
     return {rename(name): tensor for name, tensor in weights.items()}
 
 
-def convert_checkpoint(src_dir, dst_dir, to: str = "builtin", **config_overrides) -> Path:
+def convert_checkpoint(src_dir, dst_dir, to: str = "builtin", overwrite: bool = False, **config_overrides) -> Path:
     """Convert a drafter between the z-lab layout and transformers' built-in ``muse_glimmer_assistant`` layout.
 
     ``to="builtin"``: z-lab/dflash-hf checkpoint -> folder loadable with ``MuseGlimmerAssistantModel.from_pretrained``
     and usable with ``generate(..., assistant_model=draft, speculation_type="dflash")`` without remote code.
     ``to="zlab"``: the reverse; the output is a full dflash-hf checkpoint (z-lab config, ``auto_map``, remote code).
     Weights keep their dtypes and bits; only two prefixes are renamed. ``config_overrides`` fill fields a foreign
-    built-in checkpoint may lack (``vocab_size``, ``num_target_layers``).
+    built-in checkpoint may lack (``vocab_size``, ``num_target_layers``). The model card (``README.md``) is copied.
+
+    ``dst_dir`` is written whole or not at all (see `dflash_hf.files.write_folder`): an existing one is refused
+    unless ``overwrite``, and then replaced entirely, so no file of the old checkpoint survives.
     """
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
-    if to == "builtin":
-        _to_builtin(src_dir, dst_dir, config_overrides)
-    elif to == "zlab":
-        _to_zlab(src_dir, dst_dir, config_overrides)
-    else:
+    convert = {"builtin": _to_builtin, "zlab": _to_zlab}.get(to)
+    if convert is None:
         raise ValueError(f"to must be 'builtin' or 'zlab', got {to!r}")
+    _require_drafter_folder(src_dir)
+    if dst_dir.resolve() == src_dir.resolve():
+        raise ValueError(f"converting {src_dir} onto itself: choose another destination folder")
+    with write_folder(dst_dir, overwrite=overwrite) as tmp:
+        convert(src_dir, tmp, config_overrides)
+        if (src_dir / "README.md").is_file():
+            shutil.copyfile(src_dir / "README.md", tmp / "README.md")
     return dst_dir
 
 
@@ -202,7 +223,6 @@ def _to_builtin(src_dir: Path, dst_dir: Path, overrides: dict) -> None:
     if sliding:
         fields["sliding_window"] = config.sliding_window
     fields.update(overrides)
-    dst_dir.mkdir(parents=True, exist_ok=True)
     MuseGlimmerAssistantConfig(**fields).save_pretrained(dst_dir)
     save_file(_rename(weights, _TO_BUILTIN), dst_dir / "model.safetensors", metadata={"format": "pt"})
 
@@ -254,12 +274,16 @@ def validate_for_publishing(draft_dir) -> list[str]:
         problems += _weight_problems(draft_dir, zlab_weight_shapes(config))
     problems += _remote_code_problems(draft_dir, config)
     if not (draft_dir / "README.md").is_file():
-        problems.append("README.md (model card) is missing: write it with dflash_hf.hub.write_model_card")
+        problems.append(f"README.md (model card) is missing: write it with `dflash-hf card {draft_dir} --target TARGET_ID`")
     return problems
 
 
 def _weight_problems(draft_dir: Path, expected: dict) -> list[str]:
     """Names, shapes and dtypes from the safetensors headers, without loading tensors."""
+    try:
+        check_safetensors(draft_dir)
+    except ValueError as err:
+        return [str(err)]
     found = {}
     for file in sorted(draft_dir.glob("*.safetensors")):
         with safe_open(file, "pt") as handle:
@@ -339,6 +363,11 @@ def push_to_hub(
     Refuses with a `ValueError` listing every `validate_for_publishing` problem. ``dry_run=True`` returns the
     files that would be uploaded, with sizes, and contacts nobody.
     """
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"{repo_id!r} is not a Hub repository id (like 'user/name'): {err}") from None
+    _require_drafter_folder(Path(draft_dir))
     problems = validate_for_publishing(draft_dir)
     if problems:
         raise ValueError(f"Not pushing {draft_dir} to {repo_id}:\n- " + "\n- ".join(problems))

@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from .errors import DFlashUserError
+from .files import check_safetensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +49,8 @@ def load_target(spec: str | None = "default", dtype: str = "float32", device: st
         path = Path(spec)
         if not (path / "config.json").is_file():
             raise DFlashUserError(f"target folder {spec!r} has no config.json: pass a local model folder or 'default'")
+    # The cached default target is ours to rebuild; a user's folder is theirs to repair.
+    check_safetensors(path, fix=f"delete {path} and run `dflash-hf prepare`" if spec in (None, "default") else None)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
     model.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(path)
@@ -80,6 +83,7 @@ def load_drafter(spec: str | None, target=None, dtype: str | None = None, tokeni
         path = Path(spec)
     if not (path / "config.json").is_file():
         raise DFlashUserError(f"drafter folder {str(path)!r} has no config.json: pass a DFlash drafter folder")
+    check_safetensors(path)
     drafter = DFlashDraftModel.from_pretrained(path, dtype=DTYPES[dtype] if dtype else "auto").eval()
     if target is not None:
         try:

@@ -6,6 +6,7 @@ from conftest import random_prompt, tiny_drafter
 from oracle import pin
 
 from dflash_hf import DraftLengthController
+from dflash_hf.generation_dflash import DFlashCandidateGenerator, prompt_lookup
 
 
 def simulate(costs, acceptance, rounds=300, seed=0, **controller_options):
@@ -132,3 +133,84 @@ def test_shadow_rounds_decode_plainly_judge_one_draft_and_are_not_timed(target, 
     controller = controllers[-1]
     assert controller.observations[:2] == [rounds, 0]  # every round judged draft 1, never draft 2
     assert controller.cost == {}  # shadow rounds cost neither what plain nor what drafted rounds cost
+
+
+# ---- settings per call ---------------------------------------------------------------------------------------
+
+
+def test_block_size_and_adaptivity_are_generate_arguments():
+    from conftest import random_prompt, tiny_drafter, tiny_target
+    from transformers import GenerationConfig
+
+    from dflash_hf.generation_dflash import draft_settings
+
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+
+    def settings(**kwargs):
+        return draft_settings(drafter, GenerationConfig(**(GenerationConfig._get_default_generation_params() | kwargs)))
+
+    assert settings() == (8, True)  # transformers' defaults: the drafter's own settings
+    assert settings(num_assistant_tokens=3) == (4, False)  # an explicit k with the constant schedule: fixed blocks
+    assert settings(num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic") == (4, True)
+    assert settings(num_assistant_tokens=50) == (8, False)  # never past the drafter's block
+    assert settings(num_assistant_tokens=0) == (1, False)  # plain decoding
+    with pytest.raises(ValueError, match="num_assistant_tokens must be"):
+        settings(num_assistant_tokens=-1)
+
+    prompt = random_prompt(3)
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    out = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter, num_assistant_tokens=3)
+    assert torch.equal(out, plain)
+    stats = drafter.last_stats
+    assert stats.block_size == 4 and set(stats.proposed_lengths[:-3]) == {3}  # the last rounds stop at max_length
+    assert drafter.config.block_size == 8 and drafter.adaptive_block_size  # the drafter is unchanged
+    target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    assert drafter.last_stats.block_size == 8  # the next call is back to the default
+
+
+# ---- prompt lookup next to the drafter ------------------------------------------------------------------------
+
+
+def test_prompt_lookup_continues_the_latest_longest_match():
+    tokens = torch.tensor([5, 6, 7, 8, 9, 6, 7, 1, 2, 9, 6, 7])
+    assert prompt_lookup(tokens, 3, 4).tolist() == [1, 2, 9, 6]  # "9 6 7" last seen at 4..6
+    assert prompt_lookup(tokens, 2, 1).tolist() == [1]  # "6 7": the latest occurrence wins
+    assert prompt_lookup(torch.tensor([1, 2, 3]), 3, 4) is None  # no earlier occurrence of any suffix
+    assert prompt_lookup(tokens, 3, 0) is None
+    assert prompt_lookup(tokens, 3, 7).tolist() == [1, 2, 9, 6, 7, 1, 2]  # past the end: the loop goes on
+    assert prompt_lookup(torch.tensor([4, 4]), 3, 5).tolist() == [4] * 5
+
+
+def test_lookup_rounds_are_lossless_and_commit_repeated_text(target):
+    """A random tiny target falls into loops, where prompt lookup predicts the text and a random drafter does not;
+    lookup rounds must be chosen, commit several tokens, and leave the output identical."""
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+    for seed in range(3):
+        ids = random_prompt(seed)
+        plain = target.generate(ids, max_new_tokens=60, do_sample=False)
+        sources = []
+        original = DFlashCandidateGenerator.get_candidates
+
+        def record(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            sources.append(self.round_from_lookup)
+            return out
+
+        DFlashCandidateGenerator.get_candidates = record
+        try:
+            out = target.generate(ids, max_new_tokens=60, do_sample=False, assistant_model=drafter)
+        finally:
+            DFlashCandidateGenerator.get_candidates = original
+        assert torch.equal(out, plain)
+        committed = [a for a, lookup in zip(drafter.last_stats.acceptance_lengths, sources[1:]) if lookup]
+        assert committed and max(committed) > 2, (seed, committed)
+
+
+def test_prompt_lookup_off_and_fixed_blocks_never_look_up(target):
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+    drafter.prompt_lookup_ngram = 0
+    generator = drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {})
+    assert generator.lookup_rates is None
+    drafter = tiny_drafter(target, block_size=8, adaptive=False)
+    assert drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {}).lookup_rates is None

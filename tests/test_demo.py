@@ -1,8 +1,7 @@
 """``dflash-hf generate --compare``: warm-up, interleaved medians, and a parting explained on the spot."""
 
 import torch
-from conftest import tiny_drafter
-from tiny_target import make_target
+from conftest import save_chat_target, tiny_drafter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_hf import loading
@@ -11,7 +10,7 @@ from dflash_hf.demo import explain_parting
 
 
 def test_compare_in_float32_reports_identical_outputs_and_medians(tmp_path, capsys):
-    target_dir = make_target(tmp_path / "target")
+    target_dir = save_chat_target(tmp_path / "target")
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     tiny_drafter(target, block_size=4).save_pretrained(tmp_path / "draft")
     argv = ["generate", "Tell me a story.", "--target", str(target_dir), "--draft", str(tmp_path / "draft"),
@@ -24,7 +23,7 @@ def test_compare_in_float32_reports_identical_outputs_and_medians(tmp_path, caps
 
 
 def test_parting_is_explained_with_the_float32_gap(tmp_path):
-    target_dir = make_target(tmp_path / "target")
+    target_dir = save_chat_target(tmp_path / "target")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt = torch.tensor([[5, 6, 7, 8]])
     exact = AutoModelForCausalLM.from_pretrained(target_dir)

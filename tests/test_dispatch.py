@@ -120,3 +120,14 @@ def test_other_target_class_with_its_own_generator_hook_still_works():
     """A target class overriding nothing still goes through the wrapper (the patch lives on GenerationMixin)."""
     assert Qwen3ForCausalLM._get_candidate_generator is GenerationMixin._get_candidate_generator
     assert generation_dflash.is_dflash_drafter(tiny_drafter(tiny_target()))
+
+
+def test_importing_the_package_installs_the_dispatch():
+    """So that a drafter loaded without its code (`AutoModel.from_pretrained(path)`, no trust_remote_code) gets the
+    message that says so at `generate`, even before any DFlash drafter was built in the process."""
+    import subprocess
+    import sys
+
+    code = ("import dflash_hf; from transformers import GenerationMixin; "
+            "assert getattr(GenerationMixin._get_candidate_generator, '_dflash_dispatch', False)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from conftest import chat_tokenizer, mask_token_id, save_chat_target, tiny_drafter, tiny_target, write_prompts
 from safetensors import safe_open
-from tiny_target import make_target, mask_token_id, make_tokenizer, write_prompts
 
 from dflash_hf import DFlashDraftModel
 from dflash_hf.cli import main as cli_main
@@ -125,7 +124,7 @@ def test_drafter_save_pretrained_killed_at_random_moments(tmp_path, round_index)
 @pytest.fixture(scope="module")
 def run_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    target = make_target(root / "target")
+    target = save_chat_target(root / "target")
     prompts = write_prompts(root / "prompts.jsonl", 8)
     return root, target, prompts
 
@@ -139,7 +138,7 @@ def distill_argv(run_inputs, out: Path) -> list[str]:
 def train_argv(run_inputs, data: Path, out: Path, *extra) -> list[str]:
     _, target, _ = run_inputs
     return ["train", "--target", str(target), "--data", str(data), "--output-dir", str(out), "--mask-token-id",
-            str(mask_token_id(make_tokenizer())), "--num-draft-layers", "1", "--block-size", "4", "--num-anchors", "4",
+            str(mask_token_id(chat_tokenizer())), "--num-draft-layers", "1", "--block-size", "4", "--num-anchors", "4",
             "--max-steps", "8", "--save-every", "1", "--keep-checkpoints", "2", "--log-every", "1",
             "--final-dtype", "float32", "--quiet", "--threads", "1", *extra]
 

@@ -4,12 +4,15 @@ Everything runs offline on tiny random models; the upload tests replace `HfApi` 
 """
 
 import json
+import os
 import shutil
+import stat
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_prompt, tiny_target
+from conftest import random_prompt, randomize_norms, tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
 from transformers import MuseGlimmerAssistantModel
 from transformers.generation import BaseStreamer
@@ -34,17 +37,8 @@ def target():
 
 
 def make_drafter(target, dtype=torch.float32, **overrides) -> DFlashDraftModel:
-    """Random drafter whose norms are random too, so that a wrong rename of ``hidden_norm`` would show."""
-    config = DFlashConfig.from_target_config(
-        target.config, mask_token_id=3, num_hidden_layers=2, block_size=4, target_layer_ids=[1, 2], **overrides
-    )
-    torch.manual_seed(1)
-    drafter = DFlashDraftModel(config)
-    with torch.no_grad():
-        for name, parameter in drafter.named_parameters():
-            if "norm" in name:
-                parameter.uniform_(0.5, 1.5)
-    return drafter.to(dtype).eval()
+    """A tiny drafter with random norms too, so that a wrong rename of ``hidden_norm`` would show."""
+    return randomize_norms(tiny_drafter(target, target_layer_ids=[1, 2], **overrides)).to(dtype)
 
 
 @pytest.fixture
@@ -124,7 +118,7 @@ def test_builtin_conversion_decodes_like_ours(target, saved_drafter, tmp_path, p
     assert torch.equal(greedy(target, prompt, assistant_model=builtin, speculation_type="dflash"), plain)
 
 
-def test_model_card(saved_drafter):
+def test_model_card_fills_base_model_commands_and_acceptance(saved_drafter):
     yaml = pytest.importorskip("yaml")
     card = write_model_card(saved_drafter, "Qwen/Qwen3-8B", {"gsm8k": 5.123, "mt-bench": 3.5}, "me/qwen3-dflash")
     text = card.read_text()
@@ -138,10 +132,12 @@ def test_model_card(saved_drafter):
     assert "--attention-backend flash_attn" in text
     assert "--speculative-algorithm DFLASH" in text and "--speculative-num-draft-tokens 4" in text
 
-    # Without a target: no base_model, a placeholder in the commands, no acceptance section.
-    text = write_model_card(saved_drafter).read_text()
-    assert "base_model" not in yaml.safe_load(text.split("---\n")[1])
-    assert "vllm serve <target-model>" in text and "Measured acceptance" not in text
+    # Without a target the card would publish a placeholder: refused, and the card written above is kept.
+    with pytest.raises(ValueError, match="needs the target's Hub id"):
+        write_model_card(saved_drafter)
+    assert card.read_text() == text
+    # Without measurements: no acceptance section.
+    assert "Measured acceptance" not in write_model_card(saved_drafter, "Qwen/Qwen3-8B").read_text()
 
 
 def edit_config(path: Path, **changes):
@@ -201,7 +197,7 @@ def test_push_dry_run_and_upload_calls(saved_drafter, monkeypatch):
     with pytest.raises(ValueError, match="README.md \\(model card\\) is missing"):
         push_to_hub(saved_drafter, "me/draft", dry_run=True)
 
-    write_model_card(saved_drafter)
+    write_model_card(saved_drafter, "Qwen/Qwen3-8B")
     (saved_drafter / "__pycache__").mkdir()
     (saved_drafter / "__pycache__" / "x.pyc").write_bytes(b"0")
     files = push_to_hub(saved_drafter, "me/draft", dry_run=True)
@@ -224,7 +220,7 @@ def test_push_dry_run_and_upload_calls(saved_drafter, monkeypatch):
 
 def test_push_adds_the_remote_code_a_drafter_folder_lacks(saved_drafter, tmp_path):
     """A drafter folder holds config, weights and card; the upload adds the package's remote code (real files)."""
-    write_model_card(saved_drafter)
+    write_model_card(saved_drafter, "Qwen/Qwen3-8B")
     for name in hub.REMOTE_CODE_FILES:
         (saved_drafter / name).unlink()
     assert validate_for_publishing(saved_drafter) == []
@@ -268,3 +264,87 @@ def test_custom_generate_from_local_repo(target, saved_drafter, tmp_path, prompt
 
     with pytest.raises(ValueError, match="needs the drafter"):
         greedy(target, prompt, custom_generate=str(repo), trust_remote_code=True)
+
+
+# ---- what a new user runs into -------------------------------------------------------------------------------
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    from dflash_hf.cli import main
+
+    status = main(argv)
+    return status, capsys.readouterr().err
+
+
+def test_convert_from_a_missing_source_says_so(tmp_path, capsys):
+    status, err = run_cli(["convert", str(tmp_path / "nope"), str(tmp_path / "out"), "--to", "builtin"], capsys)
+    assert status == 1 and err == f"dflash-hf convert: error: {tmp_path / 'nope'} is not a folder: pass a local " \
+        "drafter folder (config.json + *.safetensors)\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_to_overwrite_and_replaces_whole_with_overwrite(saved_drafter, tmp_path, capsys):
+    write_model_card(saved_drafter, "Qwen/Qwen3-8B")
+    out = tmp_path / "out"
+    convert_checkpoint(saved_drafter, out, to="builtin")
+    convert_checkpoint(out, tmp_path / "zlab", to="zlab")  # has remote code
+    status, err = run_cli(["convert", str(out), str(tmp_path / "zlab"), "--to", "builtin"], capsys)
+    assert status == 1 and "already exists" in err and "--overwrite" in err
+    assert (tmp_path / "zlab" / "modeling_dflash.py").is_file()  # untouched
+
+    assert run_cli(["convert", str(out), str(tmp_path / "zlab"), "--to", "builtin", "--overwrite"], capsys)[0] == 0
+    assert sorted(p.name for p in (tmp_path / "zlab").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert (tmp_path / "zlab" / "README.md").read_text() == (saved_drafter / "README.md").read_text()  # card kept
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_convert_writes_ordinary_file_modes(saved_drafter, tmp_path):
+    old = os.umask(0o022)
+    try:
+        out = convert_checkpoint(saved_drafter, tmp_path / "out", to="builtin")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644}
+
+
+def test_convert_removes_what_a_killed_conversion_left(saved_drafter, tmp_path):
+    dead = tmp_path / ".out.tmp-4194399-x1"  # pids stop at 4194304 (pid_max): its writer is gone
+    alive = tmp_path / f".out.tmp-{os.getppid()}-x2"  # a live process may still be writing
+    old_unowned = tmp_path / ".out.tmp-x3"  # no pid (older versions), two hours old
+    for folder in (dead, alive, old_unowned):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"0" * 64)
+    os.utime(old_unowned, (time.time() - 7200,) * 2)
+    convert_checkpoint(saved_drafter, tmp_path / "out", to="builtin")
+    assert not dead.exists() and not old_unowned.exists() and alive.exists()
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_damaged_weights_are_one_line_in_convert_and_push(saved_drafter, tmp_path, capsys, damage):
+    write_model_card(saved_drafter, "Qwen/Qwen3-8B")
+    weights = saved_drafter / "model.safetensors"
+    weights.write_bytes(b"" if damage == "empty" else weights.read_bytes()[:200])
+    status, err = run_cli(["convert", str(saved_drafter), str(tmp_path / "out"), "--to", "builtin"], capsys)
+    assert status == 1 and err.count("\n") == 1 and f"{weights} is " in err and "Traceback" not in err
+    status, err = run_cli(["push", str(saved_drafter), "me/draft", "--dry-run"], capsys)
+    assert status == 1 and "Traceback" not in err
+    what = "is empty" if damage == "empty" else "is not a readable safetensors file"
+    assert f"\n- {weights} {what}" in err and "copy or save the weights again" in err
+
+
+def test_push_refuses_a_bad_repo_id_and_names_the_card_command(saved_drafter, capsys):
+    status, err = run_cli(["push", str(saved_drafter), "not a repo id!!", "--dry-run"], capsys)
+    assert status == 1 and err.startswith("dflash-hf push: error: 'not a repo id!!' is not a Hub repository id")
+    status, err = run_cli(["push", str(saved_drafter), "me/draft", "--dry-run"], capsys)
+    assert status == 1 and f"write it with `dflash-hf card {saved_drafter} --target TARGET_ID`" in err
+
+
+def test_card_without_target_is_refused(saved_drafter, capsys):
+    from dflash_hf.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["card", str(saved_drafter)])
+    assert info.value.code == 2 and "--target" in capsys.readouterr().err
+    assert not (saved_drafter / "README.md").exists()

@@ -6,10 +6,13 @@ back: the hardest case for position and cache bookkeeping.
 
 import pytest
 import torch
+from conftest import tiny_drafter
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf import DFlashDraftModel
 from dflash_hf.assets import encode_chat, load_prompts
+
+pytestmark = pytest.mark.real_model
 
 NEW_TOKENS = 24
 MASK_ID = 16  # <empty_output>: a real row of SmolLM2's vocabulary that never appears in chat
@@ -21,9 +24,9 @@ def smollm2(smollm2_path):
 
 
 def random_drafter(target, block_size=16, dtype=torch.float32):
-    config = DFlashConfig.from_target_config(target.config, mask_token_id=MASK_ID, num_hidden_layers=2, block_size=block_size)
-    torch.manual_seed(0)
-    return DFlashDraftModel(config).to(dtype).eval()
+    """Untrained, proposing full blocks every round (never falling back to plain decoding): nearly every round
+    rejects and rolls the caches back."""
+    return tiny_drafter(target, block_size=block_size, seed=0, mask_token_id=MASK_ID).to(dtype)
 
 
 def chat_prompts(tokenizer):

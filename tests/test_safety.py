@@ -86,5 +86,5 @@ def saved_drafter(tmp_path):
     from conftest import tiny_drafter, tiny_target
 
     tiny_drafter(tiny_target(), block_size=4).save_pretrained(tmp_path / "draft")
-    hub.write_model_card(tmp_path / "draft")
+    hub.write_model_card(tmp_path / "draft", target_name="me/target")
     return tmp_path / "draft"

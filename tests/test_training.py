@@ -18,22 +18,20 @@ from dflash_hf.training.blocks import (
     build_block_inputs,
     build_block_mask,
     build_flex_block_mask,
-    render_mask,
     sample_anchors,
 )
 from dflash_hf.cli import build_parser
 from dflash_hf.training.data import ShardDataset, collate
 from dflash_hf.training.trainer import block_loss, resolve_attention, warm_start_from_target
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_target import make_target, mask_token_id, write_prompts  # noqa: E402
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(1)
+from conftest import mask_token_id, save_chat_target, write_prompts
 REPO = Path(__file__).resolve().parents[1]
 MASK = 259  # "<mask>" in the tiny tokenizer
 LAYERS = "0,2"
+
+
+def render_mask(mask: torch.Tensor) -> list[str]:
+    """A 2D boolean mask as rows of ``#`` (attend) and ``.``, for the block pictures below."""
+    return ["".join("#" if bool(v) else "." for v in row) for row in mask]
 
 
 # ------------------------------------------------------------------------------------------------ invariants
@@ -121,7 +119,7 @@ def test_block_inputs_labels_and_weights():
     assert labels.tolist() == [[16, 17, 0]] and weights.tolist() == [[0.0, 1.0, 0.0]]
 
 
-def test_sample_anchors():
+def test_sample_anchors_stay_in_the_response_sorted_and_seeded():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
     for seed in range(20):
         anchors, keep = sample_anchors(loss_mask, 4, 3, torch.Generator().manual_seed(seed))
@@ -143,7 +141,7 @@ def test_sample_anchors():
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    target = make_target(root / "target")
+    target = save_chat_target(root / "target")
     prompts = write_prompts(root / "prompts.jsonl", 6, bad_lines=1)
     main(["distill", "--target", str(target), "--prompts", str(prompts), "--out", str(root / "data"),
           "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "40", "--target-layer-ids", LAYERS])
@@ -241,7 +239,7 @@ def test_training_attention_choice():
         resolve_attention("flex_attention", torch.device("cpu"))
 
 
-def test_overfit_one_sequence(work):
+def test_drafter_overfits_one_sequence(work):
     """The pipeline can learn: one sequence, ~100% accuracy at every block position."""
     from transformers import AutoModelForCausalLM
 
@@ -371,7 +369,7 @@ def test_trained_drafter_beats_untrained(work, tmp_path):
 def test_warm_start_llama_target(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(make_target(tmp_path / "llama", arch="llama"))
+    target = AutoModelForCausalLM.from_pretrained(save_chat_target(tmp_path / "llama", arch="llama"))
     config = DFlashConfig.from_target_config(target.config, mask_token_id=MASK, num_hidden_layers=2, block_size=4,
                                              target_layer_ids=[0, 1])
     draft = DFlashDraftModel(config)

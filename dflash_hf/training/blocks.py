@@ -157,11 +157,6 @@ def default_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2 - 1))
 
 
-def render_mask(mask: torch.Tensor) -> list[str]:
-    """A 2D boolean mask as rows of ``#`` (attend) and ``.``: for test pictures and debugging."""
-    return ["".join("#" if bool(v) else "." for v in row) for row in mask]
-
-
 __all__ = [
     "block_labels_and_weights",
     "block_mask_mod",
@@ -170,6 +165,5 @@ __all__ = [
     "build_flex_block_mask",
     "decay_weights",
     "default_gamma",
-    "render_mask",
     "sample_anchors",
 ]

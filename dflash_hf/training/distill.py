@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_path
 from ..configuration_dflash import build_target_layer_ids
+from ..errors import DFlashUserError
 from ..generation_dflash import extract_context_feature
 from ..loading import load_target
 from .data import Prompt, read_prompts, shard_path, write_shard
@@ -105,6 +106,11 @@ def _write_manifest(out_dir: Path, info: dict) -> None:
 def distill(args) -> dict:
     """Run distillation as configured by ``args`` (see `add_distill_parser`); returns a summary dict."""
     torch.manual_seed(args.seed)
+    prompts, problems = read_prompts(args.prompts, limit=args.limit)
+    if not prompts:  # before loading the target: nothing to distill is an input error, not an empty success
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        sources = args.prompts if isinstance(args.prompts, (list, tuple)) else [args.prompts]
+        raise DFlashUserError(f"no usable prompt in {', '.join(map(str, sources))}: {shown or 'no lines'}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -112,7 +118,6 @@ def distill(args) -> dict:
     if device == "cuda" and world > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
 
-    prompts, problems = read_prompts(args.prompts, limit=args.limit)
     for problem in problems:
         logger.warning("skipped prompt line %s", problem)
     model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)

@@ -1,7 +1,7 @@
 """``dflash-hf eval``: acceptance length tau of a drafter on held-out prompts, greedy, per block size.
 
-For each block size the drafter's ``config.block_size`` is set before ``generate``; `DFlashCandidateGenerator` reads
-it when it is built (once per ``generate`` call), so one loaded drafter serves every size. tau is the mean number of
+Each block size is a ``generate`` argument (``num_assistant_tokens=B - 1`` with the ``"constant"`` schedule: full
+blocks of B, see `draft_settings`), so one loaded drafter serves every size up to its own and is never changed. tau is the mean number of
 tokens committed per verify round, the target's bonus token included (``draft.last_stats``), pooled over all rounds
 of all prompts; the histogram counts rounds by committed tokens ``0..B``.
 """
@@ -18,7 +18,7 @@ from ..generation_dflash import DFlashStats
 from ..loading import load_target
 from ..modeling_dflash import DFlashDraftModel
 from .blocks import block_labels_and_weights, build_block_inputs, build_block_mask, sample_anchors
-from .data import collate, read_prompts
+from .data import ShardDataset, collate, read_prompts
 from .distill import encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -31,20 +31,19 @@ def acceptance(target, draft, prompt_ids: list[list[int]], block_size: int, max_
 
     Every round proposes the whole block (the adaptive controller is off), so tau is the drafter's, at this size.
     """
-    original, adaptive = draft.config.block_size, draft.adaptive_block_size
-    draft.config.block_size, draft.adaptive_block_size = block_size, False
+    if not 1 <= block_size <= draft.config.block_size:
+        raise ValueError(f"block size {block_size} is outside 1..{draft.config.block_size}, the drafter's block_size")
+    fixed_blocks = dict(num_assistant_tokens=block_size - 1, num_assistant_tokens_schedule="constant")
     lengths, proposed, seconds, new_tokens = [], [], 0.0, 0
-    try:
-        for ids in tqdm(prompt_ids, desc=f"eval B={block_size}", disable=quiet, leave=False):
-            input_ids = torch.tensor([ids], device=target.device)
-            start = time.monotonic()
-            out = target.generate(input_ids, assistant_model=draft, max_new_tokens=max_new_tokens, do_sample=False)
-            seconds += time.monotonic() - start
-            new_tokens += out.shape[1] - len(ids)
-            lengths += draft.last_stats.acceptance_lengths
-            proposed += draft.last_stats.proposed_lengths
-    finally:
-        draft.config.block_size, draft.adaptive_block_size = original, adaptive
+    for ids in tqdm(prompt_ids, desc=f"eval B={block_size}", disable=quiet, leave=False):
+        input_ids = torch.tensor([ids], device=target.device)
+        start = time.monotonic()
+        out = target.generate(input_ids, assistant_model=draft, max_new_tokens=max_new_tokens, do_sample=False,
+                              **fixed_blocks)
+        seconds += time.monotonic() - start
+        new_tokens += out.shape[1] - len(ids)
+        lengths += draft.last_stats.acceptance_lengths
+        proposed += draft.last_stats.proposed_lengths
     pooled = DFlashStats(block_size, acceptance_lengths=lengths, proposed_lengths=proposed)
     return {
         "block_size": block_size,
@@ -100,6 +99,8 @@ def evaluate(args) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=getattr(torch, args.draft_dtype)).to(device).eval()
+    if args.data:
+        return evaluate_teacher_forced(args, target, draft)
     prompts, problems = read_prompts(args.prompts, limit=args.limit)
     for problem in problems:
         logger.warning("skipped prompt line %s", problem)
@@ -117,4 +118,26 @@ def evaluate(args) -> dict:
     return results
 
 
-__all__ = ["acceptance", "evaluate", "teacher_forced_tau"]
+def evaluate_teacher_forced(args, target, draft) -> dict:
+    """``dflash-hf eval --data DIR``: `teacher_forced_tau` on distilled shards (features stored, else one target
+    forward per sequence), per block size."""
+    from .distill import teacher_forced_features
+
+    dataset = ShardDataset(args.data)
+    samples = [dataset[i] for i in range(min(args.limit, len(dataset)))]
+    layer_ids = list(draft.config.target_layer_ids)
+    if not dataset.has_features or dataset.target_layer_ids != layer_ids:
+        for sample in samples:
+            (sample["features"],) = teacher_forced_features(target, [sample["input_ids"].tolist()], layer_ids, 0)
+    results = {"draft": str(args.draft), "data": str(args.data), "num_sequences": len(samples), "results": []}
+    for block_size in args.block_sizes:
+        result = teacher_forced_tau(draft, target.get_input_embeddings(), target.get_output_embeddings(), samples,
+                                    block_size, seed=args.seed)
+        results["results"].append(result)
+        print(f"B={block_size:>2}  teacher-forced tau={result['tau']:.3f}  blocks={result['blocks']}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2))
+    return results
+
+
+__all__ = ["acceptance", "evaluate", "evaluate_teacher_forced", "teacher_forced_tau"]

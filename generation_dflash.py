@@ -443,14 +443,18 @@ class DFlashDrafterMixin:
             return embed_tokens(block_ids)
         return torch.nn.functional.embedding(block_ids, embed_tokens.weight) * scale
 
+    def _logit_transform(self) -> tuple[float | None, float | None]:
+        """``(output_multiplier, softcap)``, ``None`` where the checkpoint sets none (a softcap <= 0 is none)."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return getattr(self.config, "output_multiplier", None), cap if cap is not None and cap > 0 else None
+
     def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """z-lab's draft logits: ``logits * output_multiplier``, then ``tanh(logits / c) * c`` for a softcap
         ``c > 0`` (full vocabulary, the head's dtype, before any top-k)."""
-        multiplier = getattr(self.config, "output_multiplier", None)
-        cap = getattr(self.config, "final_logit_softcapping", None)
+        multiplier, cap = self._logit_transform()
         if multiplier is not None:
             logits = logits * multiplier
-        if cap is not None and cap > 0:
+        if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
@@ -460,9 +464,7 @@ class DFlashDrafterMixin:
         DFlash drafts greedily (the argmax of the transformed logits) and has no draft distribution to return;
         ``anchor`` and ``temperature`` serve drafters that walk a path (DFlash2).
         """
-        multiplier = getattr(self.config, "output_multiplier", None)
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if multiplier is None and not cap:
+        if self._logit_transform() == (None, None):
             return head_argmax(lm_head, rows), None
         return self.transform_logits(lm_head(rows)).argmax(dim=-1), None
 

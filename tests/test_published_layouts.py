@@ -153,9 +153,14 @@ def test_gemma_style_forward_equals_the_reference(attn, tmp_path):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("block_size", [2, 8, 16])
-def test_gemma_style_greedy_is_plain_greedy_and_rounds_match_the_reference(target, attn, block_size, tmp_path):
-    raw = gemma_style_config(target, block_size=block_size, window=6)
-    drafter = load(write_checkpoint(tmp_path / "gemma", raw), attn)
+@pytest.mark.parametrize("layout", ["gemma_style", "dflash2"])
+def test_greedy_is_plain_greedy_and_rounds_match_the_reference(target, layout, attn, block_size, tmp_path):
+    """Gemma-style v1 (a causal window of 6) and DFlash2 (all sliding, bidirectional), Qwen3 and Llama targets."""
+    if layout == "gemma_style":
+        raw = gemma_style_config(target, block_size=block_size, window=6)
+    else:
+        raw = dflash2_config(target, block_size=block_size)
+    drafter = load(write_checkpoint(tmp_path / layout, raw), attn)
     drafter.adaptive_block_size = False
     check_rounds_match_reference(target, drafter, raw)
 
@@ -224,15 +229,6 @@ def test_dflash2_sampled_walk_returns_the_distribution_it_sampled_from(tmp_path)
     assert draft_logits.shape == (5, target.config.vocab_size)
     assert torch.allclose(q.sum(-1), torch.ones(5)) and int((q > 0).sum()) == 5 * drafter.config.selector_top_k
     assert bool((q[torch.arange(5), path] > 0).all())  # every drafted token is one of its position's candidates
-
-
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("block_size", [2, 8, 16])
-def test_dflash2_greedy_is_plain_greedy_and_rounds_match_the_reference(target, attn, block_size, tmp_path):
-    raw = dflash2_config(target, block_size=block_size)
-    drafter = load(write_checkpoint(tmp_path / "d2", raw), attn)
-    drafter.adaptive_block_size = False
-    check_rounds_match_reference(target, drafter, raw)
 
 
 def test_dflash2_saved_checkpoint_carries_auto_map_and_remote_code(tmp_path):

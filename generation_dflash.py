@@ -264,6 +264,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.round_is_typical = True  # whether the controller may learn this round's cost (see get_candidates)
         adaptive = getattr(drafter, "adaptive_block_size", True) and self.block_size > 1
         self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
+        # Prompt lookup next to the drafter (adaptive mode only): its own acceptance estimates, same estimator.
+        self.lookup_ngram = getattr(drafter, "prompt_lookup_ngram", 3) if adaptive else 0
+        self.lookup_rates = DraftLengthController(self.block_size - 1) if self.lookup_ngram else None
+        self.round_from_lookup = False
         self.stats = drafter.last_stats = DFlashStats(self.block_size)
         # Time the head's matmul forms now (once per process), not inside a round whose cost the controller measures.
         sizes = self.controller.candidates if self.controller is not None else [self.block_size - 1]
@@ -291,8 +295,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # forward reads more than a block of new context (the prompt, or what plain rounds left pending).
         fed = sum(features.shape[1] for features in self.pending_context)
         self.round_is_typical = not shadow and (not drafting or fed <= self.block_size)
-        self.round_draft_logits = None
-        proposals = self._draft(input_ids, num_drafts) if drafting else input_ids[:, :0]
+        self.round_draft_logits = None  # a lookup round has no draft distribution: transformers compares samples
+        lookup = self._prompt_lookup(input_ids, num_drafts, shadow)
+        self.round_from_lookup = lookup is not None
+        if self.round_from_lookup:  # no drafter forward: its context stays pending, as in a plain round
+            proposals, self.round_is_typical = lookup, False
+        else:
+            proposals = self._draft(input_ids, num_drafts) if drafting else input_ids[:, :0]
         proposals = self._stop_before_stop_strings(input_ids, proposals)
         self.round_proposed = proposals.shape[1]
         # With a draft distribution q, transformers' loop runs rejection sampling against it (accept u * q(d) < p(d),
@@ -307,7 +316,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self.round_proposed is not None:
             self.stats.record(self.round_proposed, int(num_matches) + 1)
-            if self.controller is not None and self.round_drafts is not None:
+            if self.round_from_lookup:
+                accepted = int(num_matches)
+                self.lookup_rates.record_acceptance(min(accepted + 1, self.round_proposed), accepted)
+            elif self.controller is not None and self.round_drafts is not None:
                 accepted = int(num_matches)
                 judged = min(accepted + 1, self.round_drafts.shape[1])
                 if accepted == self.round_proposed and judged > accepted:  # the target's own token judges draft k+1
@@ -350,6 +362,26 @@ class DFlashCandidateGenerator(CandidateGenerator):
             self.round_draft_logits = draft_logits[None, :num_drafts]
         return self.round_drafts[:, :num_drafts]
 
+    def _prompt_lookup(self, input_ids, num_drafts: int, shadow: bool) -> torch.LongTensor | None:
+        """The prompt-lookup continuation when it is expected to commit more tokens per second than the drafter's
+        choice this round (``num_drafts`` drafts, 0 = plain decoding), else None.
+
+        Answers repeat the prompt's identifiers and phrases, which a drafter of a small target often misses. Both
+        sources are judged by the same estimator (`DraftLengthController`): expected committed tokens over the
+        measured cost of verifying that many tokens (a lookup round skips the drafter forward, so the estimate is
+        conservative for it). Shadow rounds stay with the drafter: they exist to judge it.
+        """
+        if self.lookup_rates is None or shadow or 0 not in self.controller.cost:  # costs not measured yet
+            return None
+        budget = max(min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1), 0)
+        continuation = prompt_lookup(input_ids[0], self.lookup_ngram, budget)
+        if continuation is None:
+            return None
+        controller, found = self.controller, continuation.shape[0]
+        lookup_rate = self.lookup_rates.expected_tokens(found) / controller.estimated_cost(found)
+        drafter_rate = controller.expected_tokens(num_drafts) / controller.estimated_cost(num_drafts)
+        return continuation[None] if lookup_rate > drafter_rate else None
+
     def _stop_before_stop_strings(self, input_ids, proposals):
         """Keep drafts short of the first one that completes a stop string.
 
@@ -363,6 +395,25 @@ class DFlashCandidateGenerator(CandidateGenerator):
             if self.stop_strings(torch.cat([input_ids, proposals[:, :k]], dim=-1), None).any():
                 return proposals[:, : k - 1]
         return proposals
+
+
+def prompt_lookup(tokens: torch.LongTensor, max_ngram: int, num_tokens: int) -> torch.LongTensor | None:
+    """Prompt lookup: find the latest earlier occurrence of the last ``n`` tokens of ``tokens [n_ctx]`` (longest
+    ``n <= max_ngram`` first) and return the ``num_tokens`` tokens that followed it, or None.
+
+    What followed it runs up to the end of ``tokens``; past that the copy goes on over its own output (a loop of
+    period ``d`` repeats every ``d`` tokens), so a repetition gets a full block, not the few tokens before the end.
+    """
+    length = tokens.shape[0]
+    if num_tokens < 1:
+        return None
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        windows = tokens[: length - 1].unfold(0, n, 1)  # windows ending before the last token: [length - n, n]
+        starts = (windows == tokens[length - n :]).all(dim=1).nonzero().flatten()
+        if starts.numel():
+            followed = tokens[int(starts[-1]) + n :]
+            return followed.repeat(-(-num_tokens // followed.shape[0]))[:num_tokens]
+    return None
 
 
 _FASTER_TRANSPOSED: dict[tuple, bool] = {}  # (dtype, rows, weight shape) -> W @ rows.T beats rows @ W.T
@@ -427,6 +478,9 @@ class DFlashDrafterMixin:
     # Choose the number of drafts per round from measured costs and acceptance (`DraftLengthController`);
     # False always proposes block_size - 1 drafts (as the reference does).
     adaptive_block_size: bool = True
+    # With the adaptive block size: longest n-gram prompt lookup matches (0 = off). A round proposes the lookup's
+    # continuation instead of the drafter's block when that is expected to commit more tokens per second.
+    prompt_lookup_ngram: int = 3
 
     def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
         return DFlashCandidateGenerator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer)

@@ -53,9 +53,13 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("--draft", default="default", help="drafter folder, 'default' (shipped drafter) or 'none'")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of the target")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="dtype of the target; auto = bfloat16 where the machine computes it natively, else float32")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
-    p.add_argument("--compare", action="store_true", help="also run plain greedy and compare speed and tokens")
+    p.add_argument("--compare", action="store_true",
+                   help="also run plain decoding: warm-up, interleaved timed runs, medians, token comparison")
+    p.add_argument("--compare-runs", type=int, default=2, help="timed runs of each path with --compare")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (--temperature > 0)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; oversubscription is slow)")
 
 
@@ -64,6 +68,12 @@ def _run_generate(args) -> None:
 
     if not args.prompt.strip():
         raise DFlashUserError("the prompt is empty: pass some text, e.g. dflash-hf generate 'What is 2+2?'")
+    if args.temperature < 0:
+        raise DFlashUserError(f"--temperature {args.temperature} is negative: pass 0 (greedy) or a positive value")
+    if args.max_new_tokens < 1:
+        raise DFlashUserError(f"--max-new-tokens {args.max_new_tokens}: pass at least 1")
+    if args.compare_runs < 1:
+        raise DFlashUserError(f"--compare-runs {args.compare_runs}: pass at least 1")
     run_generate(args)
 
 

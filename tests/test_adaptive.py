@@ -6,6 +6,7 @@ from conftest import random_prompt, tiny_drafter
 from oracle import pin
 
 from dflash_hf import DraftLengthController
+from dflash_hf.generation_dflash import DFlashCandidateGenerator, prompt_lookup
 
 
 def simulate(costs, acceptance, rounds=300, seed=0, **controller_options):
@@ -132,3 +133,50 @@ def test_shadow_rounds_decode_plainly_judge_one_draft_and_are_not_timed(target, 
     controller = controllers[-1]
     assert controller.observations[:2] == [rounds, 0]  # every round judged draft 1, never draft 2
     assert controller.cost == {}  # shadow rounds cost neither what plain nor what drafted rounds cost
+
+
+# ---- prompt lookup next to the drafter ------------------------------------------------------------------------
+
+
+def test_prompt_lookup_continues_the_latest_longest_match():
+    tokens = torch.tensor([5, 6, 7, 8, 9, 6, 7, 1, 2, 9, 6, 7])
+    assert prompt_lookup(tokens, 3, 4).tolist() == [1, 2, 9, 6]  # "9 6 7" last seen at 4..6
+    assert prompt_lookup(tokens, 2, 1).tolist() == [1]  # "6 7": the latest occurrence wins
+    assert prompt_lookup(torch.tensor([1, 2, 3]), 3, 4) is None  # no earlier occurrence of any suffix
+    assert prompt_lookup(tokens, 3, 0) is None
+    assert prompt_lookup(tokens, 3, 7).tolist() == [1, 2, 9, 6, 7, 1, 2]  # past the end: the loop goes on
+    assert prompt_lookup(torch.tensor([4, 4]), 3, 5).tolist() == [4] * 5
+
+
+def test_lookup_rounds_are_lossless_and_commit_repeated_text(target):
+    """A random tiny target falls into loops, where prompt lookup predicts the text and a random drafter does not;
+    lookup rounds must be chosen, commit several tokens, and leave the output identical."""
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+    for seed in range(3):
+        ids = random_prompt(seed)
+        plain = target.generate(ids, max_new_tokens=80, do_sample=False)
+        sources = []
+        original = DFlashCandidateGenerator.get_candidates
+
+        def record(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            sources.append(self.round_from_lookup)
+            return out
+
+        DFlashCandidateGenerator.get_candidates = record
+        try:
+            out = target.generate(ids, max_new_tokens=80, do_sample=False, assistant_model=drafter)
+        finally:
+            DFlashCandidateGenerator.get_candidates = original
+        assert torch.equal(out, plain)
+        committed = [a for a, lookup in zip(drafter.last_stats.acceptance_lengths, sources[1:]) if lookup]
+        assert committed and max(committed) > 2, (seed, committed)
+
+
+def test_prompt_lookup_off_and_fixed_blocks_never_look_up(target):
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+    drafter.prompt_lookup_ngram = 0
+    generator = drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {})
+    assert generator.lookup_rates is None
+    drafter = tiny_drafter(target, block_size=8, adaptive=False)
+    assert drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {}).lookup_rates is None

@@ -80,6 +80,9 @@ def _add_train_options(p):
     g.add_argument("--target-layer-ids", type=_int_list, default=None,
                    help="feature layers (default: the shards' ids, else build_target_layer_ids)")
     g.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
+    g.add_argument("--init-from", default=None,
+                   help="start from this trained drafter folder (its shape; fresh optimizer and schedule), e.g. the "
+                   "shipped one: training accumulates across runs")
     g.add_argument("--warm-start", action="store_true",
                    help="copy the target's top layers and final norm into the drafter; fc selects the last feature")
     g.add_argument("--attn-implementation", default="auto", choices=["auto", "flex_attention", "sdpa", "eager"],
@@ -147,8 +150,11 @@ def add_eval_parser(subparsers):
                               "(tokens committed per round, bonus included) and its histogram per block size.")
     _add_common(p)
     p.add_argument("--draft", required=True, help="drafter folder (OUT/final or a checkpoint)")
-    p.add_argument("--prompts", nargs="+", required=True, help="held-out JSONL/JSON prompt files")
-    p.add_argument("--limit", type=int, default=20, help="prompts to evaluate")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", nargs="+", help="held-out JSONL/JSON prompt files (tau by generating)")
+    source.add_argument("--data", help="held-out distilled shards: tau teacher-forced on the target's own answers "
+                        "(the round-by-round acceptance of a greedy run that followed those answers; minutes faster)")
+    p.add_argument("--limit", type=int, default=20, help="prompts (or distilled sequences) to evaluate")
     p.add_argument("--block-sizes", type=_int_list, default=[4, 8, 16], help="e.g. '4,8,16'")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")

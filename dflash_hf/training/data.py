@@ -12,7 +12,8 @@ need the target's own earlier answers. A ``.json`` file holding a list of such o
 
 Shard layout (``shard-00000.safetensors``, written atomically, so an existing file is a finished shard)::
 
-    input_ids  int32 [T]        all sequences of the shard concatenated (prompt + response)
+    input_ids  uint16 [T]       all sequences of the shard concatenated (prompt + response); int32 when an id
+                                is >= 65,536
     loss_mask  uint8 [T]        1 on response tokens the target generated (incl. its EOS), 0 on the prompt
     offsets    int64 [n + 1]    sequence i is [offsets[i], offsets[i + 1])
     features   bf16  [T, F*H]   optional: concatenated target hidden states hidden_states[l + 1], l in layer_ids
@@ -102,8 +103,11 @@ def write_shard(path, sequences: list[dict], ids: list[str], target_layer_ids: l
     lengths = [len(s["input_ids"]) for s in sequences]
     offsets = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    input_ids = torch.cat([s["input_ids"].to(torch.int32) for s in sequences])
+    # uint16 halves a token-only shard whenever the vocabulary allows (SmolLM2's 49,152 ids do)
+    compact = len(input_ids) == 0 or int(input_ids.max()) < 2**16
     tensors = {
-        "input_ids": torch.cat([s["input_ids"].to(torch.int32) for s in sequences]),
+        "input_ids": input_ids.to(torch.uint16) if compact else input_ids,
         "loss_mask": torch.cat([s["loss_mask"].to(torch.uint8) for s in sequences]),
         "offsets": offsets,
     }

@@ -18,7 +18,7 @@ from ..generation_dflash import DFlashStats
 from ..loading import load_target
 from ..modeling_dflash import DFlashDraftModel
 from .blocks import block_labels_and_weights, build_block_inputs, build_block_mask, sample_anchors
-from .data import collate, read_prompts
+from .data import ShardDataset, collate, read_prompts
 from .distill import encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -100,6 +100,8 @@ def evaluate(args) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
     draft = DFlashDraftModel.from_pretrained(args.draft, dtype=getattr(torch, args.draft_dtype)).to(device).eval()
+    if args.data:
+        return evaluate_teacher_forced(args, target, draft)
     prompts, problems = read_prompts(args.prompts, limit=args.limit)
     for problem in problems:
         logger.warning("skipped prompt line %s", problem)
@@ -117,4 +119,26 @@ def evaluate(args) -> dict:
     return results
 
 
-__all__ = ["acceptance", "evaluate", "teacher_forced_tau"]
+def evaluate_teacher_forced(args, target, draft) -> dict:
+    """``dflash-hf eval --data DIR``: `teacher_forced_tau` on distilled shards (features stored, else one target
+    forward per sequence), per block size."""
+    from .distill import teacher_forced_features
+
+    dataset = ShardDataset(args.data)
+    samples = [dataset[i] for i in range(min(args.limit, len(dataset)))]
+    layer_ids = list(draft.config.target_layer_ids)
+    if not dataset.has_features or dataset.target_layer_ids != layer_ids:
+        for sample in samples:
+            (sample["features"],) = teacher_forced_features(target, [sample["input_ids"].tolist()], layer_ids, 0)
+    results = {"draft": str(args.draft), "data": str(args.data), "num_sequences": len(samples), "results": []}
+    for block_size in args.block_sizes:
+        result = teacher_forced_tau(draft, target.get_input_embeddings(), target.get_output_embeddings(), samples,
+                                    block_size, seed=args.seed)
+        results["results"].append(result)
+        print(f"B={block_size:>2}  teacher-forced tau={result['tau']:.3f}  blocks={result['blocks']}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2))
+    return results
+
+
+__all__ = ["acceptance", "evaluate", "evaluate_teacher_forced", "teacher_forced_tau"]

@@ -346,6 +346,12 @@ def train(args) -> dict:
     if resume_dir is not None:
         draft = DFlashDraftModel.from_pretrained(resume_dir, dtype=torch.float32)
         draft.config._attn_implementation = args.attn_implementation
+    elif args.init_from:  # continue from a trained drafter (its shape and layer ids), with a fresh optimizer
+        draft = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+        draft.config._attn_implementation = args.attn_implementation
+        if dataset.has_features and dataset.target_layer_ids not in (None, list(draft.config.target_layer_ids)):
+            raise ValueError(f"--init-from {args.init_from} reads layers {draft.config.target_layer_ids} but the "
+                             f"shards' features are of layers {dataset.target_layer_ids}; pass --online-features.")
     else:
         torch.manual_seed(args.seed)
         draft = build_draft(target, args, layer_ids)

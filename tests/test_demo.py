@@ -1,0 +1,54 @@
+"""``dflash-hf generate --compare``: warm-up, interleaved medians, and a parting explained on the spot."""
+
+import torch
+from conftest import tiny_drafter
+from tiny_target import make_target
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_hf import loading
+from dflash_hf.cli import main
+from dflash_hf.demo import explain_parting
+
+
+def test_compare_in_float32_reports_identical_outputs_and_medians(tmp_path, capsys):
+    target_dir = make_target(tmp_path / "target")
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    tiny_drafter(target, block_size=4).save_pretrained(tmp_path / "draft")
+    argv = ["generate", "Tell me a story.", "--target", str(target_dir), "--draft", str(tmp_path / "draft"),
+            "--max-new-tokens", "24", "--dtype", "float32", "--compare", "--compare-runs", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "dtype: float32 (asked for)" in out and "prompt: Tell me a story." in out
+    assert "(medians of 2 interleaved runs each); speedup" in out
+    assert "identical outputs: True" in out
+
+
+def test_parting_is_explained_with_the_float32_gap(tmp_path):
+    target_dir = make_target(tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    exact = AutoModelForCausalLM.from_pretrained(target_dir)
+    logits = exact(prompt).logits[0, -1]
+    top, low = int(logits.argmax()), int(logits.argmin())
+    plain = torch.cat([prompt, torch.tensor([[low]])], dim=1)
+    ours = torch.cat([prompt, torch.tensor([[top]])], dim=1)
+    assert "NOT expected in float32" in explain_parting(exact, tokenizer, ours, plain, 4, 0)
+
+    half = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
+    line = explain_parting(half, tokenizer, ours, plain, 4, 0)  # ours is the float32 top token: a tie at worst
+    assert "they part at token 0" in line and "near-tie" in line and "identical in float32" in line
+    line = explain_parting(half, tokenizer, plain, ours, 4, 0)  # ours is the float32 bottom token
+    assert "NOT a near-tie" in line
+
+
+def test_auto_dtype_follows_native_bf16(monkeypatch):
+    monkeypatch.setattr(loading, "native_bf16", lambda: "a CPU with AMX")
+    assert loading.resolve_dtype("auto")[0] == "bfloat16"
+    monkeypatch.setattr(loading, "native_bf16", lambda: None)
+    assert loading.resolve_dtype("auto") == ("float32", loading.resolve_dtype("auto")[1])
+    assert loading.resolve_dtype("bfloat16") == ("bfloat16", "asked for")
+
+
+def test_negative_temperature_is_refused_before_loading(capsys):
+    assert main(["generate", "hi", "--temperature", "-1", "--target", "/nonexistent"]) == 1
+    assert "--temperature -1.0 is negative" in capsys.readouterr().err

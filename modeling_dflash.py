@@ -347,7 +347,8 @@ def adopt_remote_drafter(model) -> "DFlashDraftModel":
     config._attn_implementation = model.config._attn_implementation or "sdpa"
     with torch.device("meta"):  # no second copy of the weights, not even for a moment
         drafter = drafter_class(config)
-    state = {drafter_class.remote_weight_name(name): tensor for name, tensor in model.state_dict().items()}
+    # keep_vars: the very Parameter objects, so that a later `model.to(...)` moves the adopted drafter's weights too.
+    state = {drafter_class.remote_weight_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
     missing, unexpected = drafter.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(

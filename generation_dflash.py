@@ -646,6 +646,12 @@ def install_dflash_dispatch() -> None:
             or generation_config.assistant_early_exit is not None
             or getattr(generation_config, "use_mtp", False)
         )
+        if not other_mode and type(assistant_model).__name__ == "MuseGlimmerAssistantModel":
+            raise ValueError(
+                "transformers' built-in DFlash drafter (MuseGlimmerAssistantModel) runs with its own generator: pass "
+                "`speculation_type='dflash'` to generate, or convert it with `dflash-hf convert SRC DST --to zlab` and "
+                "load it with `dflash_hf.DFlashDraftModel.from_pretrained(DST)`."
+            )
         drafter = None if other_mode else as_dflash_drafter(assistant_model)
         if drafter is not None:
             generator = drafter.make_candidate_generator(

@@ -264,7 +264,7 @@ def test_loader_names_what_it_cannot_load(tmp_path):
         DFlashDraftModel.from_pretrained(tmp_path / "broken")
 
 
-def test_builtin_muse_glimmer_layout_is_pointed_to_convert(tmp_path):
+def test_builtin_muse_glimmer_layout_is_pointed_to_what_works(tmp_path):
     from dflash_hf.hub import convert_checkpoint
 
     target = tiny_target()
@@ -272,6 +272,13 @@ def test_builtin_muse_glimmer_layout_is_pointed_to_convert(tmp_path):
     convert_checkpoint(source, tmp_path / "builtin", to="builtin")
     with pytest.raises(ValueError, match="dflash-hf convert"):
         DFlashDraftModel.from_pretrained(tmp_path / "builtin")
+    from transformers import MuseGlimmerAssistantModel
+
+    builtin = MuseGlimmerAssistantModel.from_pretrained(tmp_path / "builtin", dtype=torch.float32)
+    with pytest.raises(ValueError, match="speculation_type='dflash'"):  # not transformers' AttributeError
+        greedy(target, random_prompt(0), 8, assistant_model=builtin)
+    ids = random_prompt(0)
+    assert torch.equal(greedy(target, ids, 8, assistant_model=builtin, speculation_type="dflash"), greedy(target, ids, 8))
 
 
 def test_published_fixture_weights_have_the_documented_header_shapes():

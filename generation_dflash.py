@@ -264,7 +264,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.round_is_typical = True  # whether the controller may learn this round's cost (see get_candidates)
         self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
         # Prompt lookup next to the drafter (adaptive mode only): its own acceptance estimates, same estimator.
-        self.lookup_ngram = getattr(drafter, "prompt_lookup_ngram", 3) if adaptive else 0
+        # Per call through transformers' prompt-lookup field, `generate(max_matching_ngram_size=n)` (0 = off).
+        ngram = generation_config.max_matching_ngram_size
+        self.lookup_ngram = (getattr(drafter, "prompt_lookup_ngram", 3) if ngram is None else ngram) if adaptive else 0
         self.lookup_rates = DraftLengthController(self.block_size - 1) if self.lookup_ngram else None
         self.round_from_lookup = False
         self.stats = drafter.last_stats = DFlashStats(self.block_size)
@@ -506,8 +508,9 @@ class DFlashDrafterMixin:
     # measured costs and acceptance (`DraftLengthController`); False always proposes block_size - 1 drafts (as the
     # reference does). Per call: generate(..., num_assistant_tokens=k, num_assistant_tokens_schedule=...).
     adaptive_block_size: bool = True
-    # With the adaptive block size: longest n-gram prompt lookup matches (0 = off). A round proposes the lookup's
-    # continuation instead of the drafter's block when that is expected to commit more tokens per second.
+    # With the adaptive block size: longest n-gram prompt lookup matches (0 = off; per call:
+    # `generate(max_matching_ngram_size=n)`). A round proposes the lookup's continuation instead of the drafter's
+    # block when that is expected to commit more tokens per second.
     prompt_lookup_ngram: int = 3
 
     def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):

@@ -10,16 +10,33 @@ A published drafter ``config.json`` is a Qwen3 config plus three DFlash entries:
     "num_target_layers": 36,
     "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
 
-`DFlashConfig` reads both placements of ``block_size``, exposes ``block_size``, ``target_layer_ids`` and
-``mask_token_id`` as top-level attributes (the contract of transformers' built-in DFlash generator), and writes the
-z-lab layout back, including the legacy ``rope_theta``/``rope_scaling`` keys that other loaders (MLX, vLLM, SGLang)
-read.
+Every DFlash value is read as z-lab's current code reads it (``_draft_value``): ``dflash_config`` first, then the top
+level, then the default. Besides ``block_size``, ``mask_token_id`` and ``target_layer_ids`` that covers the newer keys
+(`DRAFT_VALUE_KEYS`): ``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping`` (Gemma-style
+drafters) and DFlash2's ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``. A top-level
+``is_causal`` sets the block's self-attention mask (see `DFlashConfig.layer_is_causal`).
+
+`DFlashConfig` exposes all of them as top-level attributes (``block_size``, ``target_layer_ids`` and ``mask_token_id``
+are the contract of transformers' built-in DFlash generator), and writes the z-lab layout back: the DFlash values
+inside ``dflash_config`` (where vLLM reads them), plus the legacy ``rope_theta``/``rope_scaling`` keys that other
+loaders (MLX, vLLM, SGLang) read.
 """
 
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+
+# Newer optional values, read `dflash_config` first and the top level second (None = absent: the default applies).
+DRAFT_VALUE_KEYS = (
+    "input_embedding_scale",  # noise embeddings = raw embedding rows x scale (default 1)
+    "output_multiplier",  # draft logits x multiplier (default 1)
+    "final_logit_softcapping",  # then tanh(logits / c) * c when c > 0 (default none)
+    "conv_kernel_size",  # DFlash2: taps of the dynamic convolution
+    "conv_group_size",  # DFlash2: channels per dynamic-kernel group
+    "selector_rank",  # DFlash2: rank of the path selector's pairwise score
+    "selector_top_k",  # DFlash2: candidates per block position
+)
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -53,6 +70,11 @@ class DFlashConfig(Qwen3Config):
             Same as ``dflash_config["target_layer_ids"]``; defaults to `build_target_layer_ids`.
         mask_token_id (`int`, *optional*):
             Same as ``dflash_config["mask_token_id"]``: a row of the target's vocabulary used for masked slots.
+        is_causal (`bool`, *optional*):
+            Top level only. Whether block rows attend causally to the block; absent, only sliding-window layers do.
+        input_embedding_scale, output_multiplier, final_logit_softcapping, conv_kernel_size, conv_group_size,
+        selector_rank, selector_top_k (*optional*):
+            See `DRAFT_VALUE_KEYS`; a value inside ``dflash_config`` wins over the top level.
     """
 
     model_type = "qwen3"  # what published drafts declare, and what vLLM/SGLang expect
@@ -62,6 +84,14 @@ class DFlashConfig(Qwen3Config):
     dflash_config: dict | None = None
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float | None = None
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     def __post_init__(self, **kwargs):
         # Qwen3Config drops `sliding_window` unless `use_sliding_window`; drafts that declare sliding layers in
@@ -71,18 +101,23 @@ class DFlashConfig(Qwen3Config):
         if self.layer_types and "sliding_attention" in self.layer_types and window is not None:
             self.sliding_window = window
 
+        # z-lab's order for every DFlash value: dflash_config, then the top level, then the default.
         nested = dict(self.dflash_config or {})
-        if "block_size" in nested:  # newer drafts keep it inside dflash_config
-            self.block_size = nested["block_size"]
-        if self.target_layer_ids is None:
-            self.target_layer_ids = nested.get("target_layer_ids")
+        for name in ("block_size", "target_layer_ids", "mask_token_id", *DRAFT_VALUE_KEYS):
+            if nested.get(name) is not None:
+                setattr(self, name, nested[name])
         if self.target_layer_ids is None and self.num_target_layers is not None:
             self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
-        if self.mask_token_id is None:
-            self.mask_token_id = nested.get("mask_token_id")
         nested.update(target_layer_ids=self.target_layer_ids, mask_token_id=self.mask_token_id)
         self.dflash_config = nested
         self._validate_dflash_fields()
+
+    def layer_is_causal(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s block rows attend causally within the block (z-lab's rule): the top-level
+        ``is_causal`` when set, otherwise causal exactly on ``sliding_attention`` layers."""
+        if self.is_causal is not None:
+            return bool(self.is_causal)
+        return self.layer_types[layer_idx] == "sliding_attention"
 
     def _validate_dflash_fields(self):
         if self.block_size < 1:
@@ -106,8 +141,12 @@ class DFlashConfig(Qwen3Config):
         output = super().to_dict()
         output.pop("target_layer_ids", None)
         output.pop("mask_token_id", None)
+        if self.is_causal is None:  # unset: write no key, as published configs do
+            output.pop("is_causal", None)
+        newer = {name: output.pop(name, None) for name in DRAFT_VALUE_KEYS}
         output["dflash_config"] = {
             **(self.dflash_config or {}),
+            **{name: value for name, value in newer.items() if value is not None},
             "target_layer_ids": self.target_layer_ids,
             "mask_token_id": self.mask_token_id,
             "block_size": self.block_size,
@@ -164,4 +203,4 @@ class DFlashConfig(Qwen3Config):
         return cls(**fields)
 
 
-__all__ = ["DFlashConfig", "build_target_layer_ids"]
+__all__ = ["DRAFT_VALUE_KEYS", "DFlashConfig", "build_target_layer_ids"]

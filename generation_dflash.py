@@ -21,6 +21,7 @@ assistant, and ``speculation_type="dflash"`` (transformers' own DFlash generator
 import inspect
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -243,6 +244,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         capture = True if generation_config.output_hidden_states else [i + 1 for i in self.layer_ids]
         self.model_kwargs_overrides = {"output_hidden_states": capture}
         self.draft_device, self.draft_dtype = drafter.device, drafter.dtype
+        # Drafters with a draft distribution (DFlash2) sample their path at the request's temperature and return q.
+        self.temperature = generation_config.temperature if generation_config.do_sample else None
+        self.round_draft_logits: torch.Tensor | None = None  # [1, k, V] log q of the proposals, when sampled
         self.mask_ids = torch.full(
             (1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long, device=input_ids.device
         )
@@ -260,7 +264,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.round_is_typical = True  # whether the controller may learn this round's cost (see get_candidates)
         self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
         # Prompt lookup next to the drafter (adaptive mode only): its own acceptance estimates, same estimator.
-        self.lookup_ngram = getattr(drafter, "prompt_lookup_ngram", 3) if adaptive else 0
+        # Per call through transformers' prompt-lookup field, `generate(max_matching_ngram_size=n)` (0 = off).
+        ngram = generation_config.max_matching_ngram_size
+        self.lookup_ngram = (getattr(drafter, "prompt_lookup_ngram", 3) if ngram is None else ngram) if adaptive else 0
         self.lookup_rates = DraftLengthController(self.block_size - 1) if self.lookup_ngram else None
         self.round_from_lookup = False
         self.stats = drafter.last_stats = DFlashStats(self.block_size)
@@ -290,6 +296,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # forward reads more than a block of new context (the prompt, or what plain rounds left pending).
         fed = sum(features.shape[1] for features in self.pending_context)
         self.round_is_typical = not shadow and (not drafting or fed <= self.block_size)
+        self.round_draft_logits = None  # a lookup round has no draft distribution: transformers compares samples
         lookup = self._prompt_lookup(input_ids, num_drafts, shadow)
         self.round_from_lookup = lookup is not None
         if self.round_from_lookup:  # no drafter forward: its context stays pending, as in a plain round
@@ -298,7 +305,14 @@ class DFlashCandidateGenerator(CandidateGenerator):
             proposals = self._draft(input_ids, num_drafts) if drafting else input_ids[:, :0]
         proposals = self._stop_before_stop_strings(input_ids, proposals)
         self.round_proposed = proposals.shape[1]
-        return torch.cat([input_ids, proposals], dim=-1), None
+        # With a draft distribution q, transformers' loop runs rejection sampling against it (accept u * q(d) < p(d),
+        # resample from norm(max(p - q, 0))); without one it samples the target and compares (a one-hot q).
+        draft_logits = self.round_draft_logits
+        if draft_logits is not None and self.round_proposed > 0:
+            draft_logits = draft_logits[:, : self.round_proposed]
+        else:
+            draft_logits = None
+        return torch.cat([input_ids, proposals], dim=-1), draft_logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         if self.round_proposed is not None:
@@ -320,7 +334,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.pending_context.append(features[:, : committed - self.verified_from])
 
     def _draft(self, input_ids, num_drafts) -> torch.LongTensor:
-        """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` -> ``[1, num_drafts]`` argmax proposals.
+        """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` -> ``[1, num_drafts]`` proposals (the drafter's
+        `propose`: argmax for DFlash, the path selector for DFlash2).
 
         One more draft than proposed (when the block has it) is kept in ``round_drafts`` for the controller.
         """
@@ -330,7 +345,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         anchor = input_ids.shape[1] - 1
         position_ids = torch.arange(self.cache.get_seq_length(), anchor + self.block_size, device=device)[None]
         block_ids = torch.cat([input_ids[:, -1:], self.mask_ids], dim=-1)
-        noise = self.embed_tokens(block_ids).to(device=device, dtype=self.draft_dtype)
+        noise = self.drafter.embed_block(self.embed_tokens, block_ids).to(device=device, dtype=self.draft_dtype)
         with torch.no_grad():
             hidden = self.drafter(
                 noise_embedding=noise,
@@ -342,7 +357,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
             # A 2-D [k + 1, H] input: a 3-D slice keeps the stride of the full block in its batch dimension, and
             # torch.matmul then copies the whole transposed lm_head weight on every call (65 ms per round in bf16).
             rows = hidden[0, 1 : 2 + num_drafts].to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype)
-            self.round_drafts = head_argmax(self.lm_head, rows)[None].to(input_ids.device)
+            drafts, draft_logits = self.drafter.propose(self.lm_head, rows, input_ids[0, -1], self.temperature)
+        self.round_drafts = drafts[None].to(input_ids.device)
+        if draft_logits is not None:
+            self.round_draft_logits = draft_logits[None, :num_drafts]
         return self.round_drafts[:, :num_drafts]
 
     def _prompt_lookup(self, input_ids, num_drafts: int, shadow: bool) -> torch.LongTensor | None:
@@ -490,12 +508,50 @@ class DFlashDrafterMixin:
     # measured costs and acceptance (`DraftLengthController`); False always proposes block_size - 1 drafts (as the
     # reference does). Per call: generate(..., num_assistant_tokens=k, num_assistant_tokens_schedule=...).
     adaptive_block_size: bool = True
-    # With the adaptive block size: longest n-gram prompt lookup matches (0 = off). A round proposes the lookup's
-    # continuation instead of the drafter's block when that is expected to commit more tokens per second.
+    # With the adaptive block size: longest n-gram prompt lookup matches (0 = off; per call:
+    # `generate(max_matching_ngram_size=n)`). A round proposes the lookup's continuation instead of the drafter's
+    # block when that is expected to commit more tokens per second.
     prompt_lookup_ngram: int = 3
 
     def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
         return DFlashCandidateGenerator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer)
+
+    def embed_block(self, embed_tokens, block_ids: torch.LongTensor) -> torch.Tensor:
+        """Noise embeddings ``[1, B, H]`` of ``block_ids [1, B]``.
+
+        With ``input_embedding_scale`` configured: z-lab's raw table lookup times the scale, on all B rows (it
+        bypasses any scaling inside the target's embedding module). Without it: the target's embedding module, which
+        is what this project's trainer feeds and equals the raw lookup for targets whose embedding does not scale.
+        """
+        scale = getattr(self.config, "input_embedding_scale", None)
+        if scale is None:
+            return embed_tokens(block_ids)
+        return torch.nn.functional.embedding(block_ids, embed_tokens.weight) * scale
+
+    def _logit_transform(self) -> tuple[float | None, float | None]:
+        """``(output_multiplier, softcap)``, ``None`` where the checkpoint sets none (a softcap <= 0 is none)."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return getattr(self.config, "output_multiplier", None), cap if cap is not None and cap > 0 else None
+
+    def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """z-lab's draft logits: ``logits * output_multiplier``, then ``tanh(logits / c) * c`` for a softcap
+        ``c > 0`` (full vocabulary, the head's dtype, before any top-k)."""
+        multiplier, cap = self._logit_transform()
+        if multiplier is not None:
+            logits = logits * multiplier
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def propose(self, lm_head, rows: torch.Tensor, anchor: torch.Tensor, temperature: float | None = None):
+        """Draft tokens from the draft hidden states ``rows [M, H]`` (block rows ``1..M``) -> ``(tokens [M], None)``.
+
+        DFlash drafts greedily (the argmax of the transformed logits) and has no draft distribution to return;
+        ``anchor`` and ``temperature`` serve drafters that walk a path (DFlash2).
+        """
+        if self._logit_transform() == (None, None):
+            return head_argmax(lm_head, rows), None
+        return self.transform_logits(lm_head(rows)).argmax(dim=-1), None
 
     @torch.no_grad()
     def spec_generate(self, target, input_ids, max_new_tokens=2048, stop_token_ids=None, temperature=0.0, **kwargs):
@@ -518,14 +574,37 @@ def is_dflash_drafter(model) -> bool:
     return bool(getattr(model, "_is_dflash_drafter", False))
 
 
-def _raise_if_unloaded_drafter(model) -> None:
-    """A z-lab config loaded without ``trust_remote_code`` silently becomes a plain Qwen3 model: say so."""
-    if model is not None and not is_dflash_drafter(model) and getattr(model.config, "dflash_config", None):
-        raise ValueError(
-            f"The assistant is a plain {type(model).__name__} built from a DFlash drafter config: it was loaded without "
-            "the DFlash code. Load it with `AutoModel.from_pretrained(path, trust_remote_code=True)` or "
-            "`dflash_hf.DFlashDraftModel.from_pretrained(path)`."
-        )
+# Drafter classes of z-lab's own remote code (``dflash.py``), which this project can adopt (see `as_dflash_drafter`).
+REMOTE_DRAFTER_CLASSES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
+def as_dflash_drafter(model):
+    """The DFlash drafter to run for ``assistant_model``, or ``None`` for any other assistant.
+
+    Ours (this package or a checkpoint's remote code) are used as they are. A drafter built by z-lab's own remote code
+    (``AutoModel.from_pretrained("z-lab/...", trust_remote_code=True)``) is adopted once: our class of the same
+    architecture holding the very same parameter tensors (`modeling_dflash.adopt_remote_drafter`), so no weight is
+    copied. A plain transformers model built from a DFlash config (no ``trust_remote_code``) is refused with the fix.
+    """
+    if model is None or is_dflash_drafter(model):
+        return model
+    if not getattr(model.config, "dflash_config", None):
+        return None
+    if type(model).__name__ in REMOTE_DRAFTER_CLASSES:
+        adopted = _ADOPTED.get(model)
+        if adopted is None:
+            from .modeling_dflash import adopt_remote_drafter
+
+            adopted = _ADOPTED[model] = adopt_remote_drafter(model)
+        return adopted
+    raise ValueError(
+        f"The assistant is a plain {type(model).__name__} built from a DFlash drafter config: it was loaded without "
+        "the DFlash code. Load it with `AutoModel.from_pretrained(path, trust_remote_code=True)` or "
+        "`dflash_hf.DFlashDraftModel.from_pretrained(path)`."
+    )
+
+
+_ADOPTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # z-lab's module -> our drafter on its weights
 
 
 _EXPECTED_PARAMETERS = ("generation_config", "input_ids", "logits_processor", "model_kwargs", "assistant_model")
@@ -564,9 +643,8 @@ def install_dflash_dispatch() -> None:
     original_get = GenerationMixin._get_candidate_generator
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        assistant = generation_mode_kwargs.get("assistant_model")
-        _raise_if_unloaded_drafter(assistant)
-        if is_dflash_drafter(assistant):
+        assistant = as_dflash_drafter(generation_mode_kwargs.get("assistant_model"))
+        if assistant is not None:
             if generation_config.num_beams > 1:
                 raise ValueError("DFlash drafts one sequence: beam search is not supported; use num_beams=1.")
             if generation_config.output_attentions and self.config._attn_implementation != "eager":
@@ -599,14 +677,24 @@ def install_dflash_dispatch() -> None:
             or generation_config.assistant_early_exit is not None
             or getattr(generation_config, "use_mtp", False)
         )
-        if is_dflash_drafter(assistant_model) and not other_mode:
-            return assistant_model.make_candidate_generator(
+        if not other_mode and type(assistant_model).__name__ == "MuseGlimmerAssistantModel":
+            raise ValueError(
+                "transformers' built-in DFlash drafter (MuseGlimmerAssistantModel) runs with its own generator: pass "
+                "`speculation_type='dflash'` to generate, or convert it with `dflash-hf convert SRC DST --to zlab` and "
+                "load it with `dflash_hf.DFlashDraftModel.from_pretrained(DST)`."
+            )
+        drafter = None if other_mode else as_dflash_drafter(assistant_model)
+        if drafter is not None:
+            generator = drafter.make_candidate_generator(
                 target=self,
                 generation_config=generation_config,
                 input_ids=input_ids,
                 model_kwargs=model_kwargs,
                 target_tokenizer=target_tokenizer,
             )
+            if drafter is not assistant_model:  # an adopted z-lab drafter: its statistics land on the user's object
+                assistant_model.last_stats = drafter.last_stats
+            return generator
         return original_get(
             self,
             generation_config=generation_config,
@@ -627,6 +715,7 @@ def install_dflash_dispatch() -> None:
 __all__ = [
     "DFlashCandidateGenerator",
     "DFlashDrafterMixin",
+    "as_dflash_drafter",
     "DFlashStats",
     "DraftLengthController",
     "check_drafter_fits_target",

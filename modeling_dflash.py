@@ -147,6 +147,7 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
 
     config_class = DFlashConfig
     config: DFlashConfig
+    decoder_layer_class = DFlashDecoderLayer
     base_model_prefix = ""
     main_input_name = "noise_embedding"
     _no_split_modules = ["DFlashDecoderLayer"]
@@ -155,7 +156,7 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
     def __init__(self, config: DFlashConfig):
         super().__init__(config)
         install_dflash_dispatch()
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -208,6 +209,21 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
             for path in directory.iterdir():
                 if path.name not in written and _WEIGHT_FILE.fullmatch(path.name):
                     path.unlink()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load a drafter in any published layout; ``DFlashDraftModel.from_pretrained`` picks the class the checkpoint
+        declares in ``architectures`` (``DFlashDraftModel`` or ``DFlash2DraftModel``) and refuses others by name."""
+        if cls is DFlashDraftModel and not isinstance(kwargs.get("config"), DFlashConfig):
+            drafter_class = _drafter_class(pretrained_model_name_or_path, kwargs)
+            if drafter_class is not cls:
+                return drafter_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @staticmethod
+    def remote_weight_name(name: str) -> str:
+        """Our name for a weight of z-lab's remote-code module (identical for DFlash)."""
+        return name
 
     def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """``[b, C, F*H]`` concatenated target features -> ``[b, C, H]`` fused context (``fc`` then ``hidden_norm``)."""
@@ -273,38 +289,46 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
         return BaseModelOutputWithPast(**outputs)
 
     def _layer_masks(self, attention_mask, position_ids, past_len, noise) -> list:
-        """One mask per layer: the caller's mask on full-attention layers, AND-ed with the window on sliding-window
-        layers. Each distinct mask is built once (additive tensors, or ``BlockMask`` when the caller passed one)."""
+        """One mask per layer: the caller's mask AND-ed with the layer's position rule (`_position_rule`: causal
+        and/or windowed, see `DFlashConfig.layer_is_causal`). Each distinct mask is built once (additive tensors, or
+        ``BlockMask`` when the caller passed one); ``None`` where nothing is masked."""
         window = self.config.sliding_window
-        sliding = window is not None and "sliding_attention" in self.config.layer_types
+        kinds = [
+            (kind == "sliding_attention" and window is not None, self.config.layer_is_causal(i))
+            for i, kind in enumerate(self.config.layer_types)
+        ]
         if isinstance(attention_mask, BlockMask):
-            full = attention_mask
-            windowed = self._windowed_block_mask(attention_mask, position_ids, past_len) if sliding else full
-            return [windowed if t == "sliding_attention" else full for t in self.config.layer_types]
+            built = {kind: self._restricted_block_mask(attention_mask, position_ids, past_len, *kind) for kind in set(kinds)}
+            return [built[kind] for kind in kinds]
 
         allowed = None  # boolean [b, 1, Q, K], True = may attend
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             allowed = attention_mask[:, None, None, :].bool()
         elif attention_mask is not None and attention_mask.dim() == 4:
             allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        full = windowed = None if allowed is None else _additive(allowed, noise.dtype)
-        if sliding:
-            query_positions, key_positions = _query_key_positions(position_ids, past_len, noise.shape[1])
-            if int(query_positions.max() - key_positions.min()) >= window:
-                in_window = (query_positions[:, None, :, None] - key_positions[:, None, None, :]) < window
-                windowed = _additive(in_window if allowed is None else allowed & in_window, noise.dtype)
-        return [windowed if t == "sliding_attention" else full for t in self.config.layer_types]
+        query_positions, key_positions = _query_key_positions(position_ids, past_len, noise.shape[1])
+        distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # [b, 1, Q, K]: q - k
+        built = {}
+        for kind in set(kinds):
+            rule = _position_rule(distance, *kind, window)
+            if rule is not None and bool(rule.all()):  # e.g. a window longer than everything seen so far
+                rule = None
+            combined = allowed if rule is None else rule if allowed is None else allowed & rule
+            built[kind] = None if combined is None else _additive(combined, noise.dtype)
+        return [built[kind] for kind in kinds]
 
-    def _windowed_block_mask(self, block_mask: BlockMask, position_ids, past_len) -> BlockMask:
-        """FlexAttention: the caller's ``BlockMask`` AND-ed with the sliding window."""
+    def _restricted_block_mask(self, block_mask: BlockMask, position_ids, past_len, sliding, causal) -> BlockMask:
+        """FlexAttention: the caller's ``BlockMask`` AND-ed with the layer's position rule."""
+        if not sliding and not causal:
+            return block_mask
         q_len, kv_len = block_mask.shape[-2:]
         query_positions, key_positions = _query_key_positions(position_ids, past_len, q_len)
         window = self.config.sliding_window
 
-        def in_window(b, h, q_idx, kv_idx):
-            return query_positions[b, q_idx] - key_positions[b, kv_idx] < window
+        def position_rule(b, h, q_idx, kv_idx):
+            return _position_rule(query_positions[b, q_idx] - key_positions[b, kv_idx], sliding, causal, window)
 
-        return create_block_mask(and_masks(block_mask.mask_mod, in_window), B=position_ids.shape[0], H=None,
+        return create_block_mask(and_masks(block_mask.mask_mod, position_rule), B=position_ids.shape[0], H=None,
                                  Q_LEN=q_len, KV_LEN=kv_len, device=position_ids.device)
 
 
@@ -324,6 +348,80 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _position_rule(distance: torch.Tensor, sliding: bool, causal: bool, window: int | None) -> torch.Tensor | None:
+    """Which keys a block row may see, from ``distance = query position - key position`` (z-lab's mask rules).
+
+    Causal layers hide later block rows (``distance >= 0``). Sliding layers hide keys ``window`` or more positions
+    back, and, when not causal, also ``window`` or more positions ahead. ``None``: no restriction.
+    """
+    rules = []
+    if causal:
+        rules.append(distance >= 0)
+    if sliding:
+        rules.append(distance < window)
+        if not causal:
+            rules.append(distance > -window)
+    if not rules:
+        return None
+    allowed = rules[0]
+    for rule in rules[1:]:
+        allowed = allowed & rule
+    return allowed
+
+
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+
+
+def _drafter_class(path, kwargs) -> type:
+    """The drafter class a checkpoint's ``config.json`` declares, with a clear error for what this package cannot load."""
+    from transformers import PretrainedConfig
+
+    config, _ = PretrainedConfig.get_config_dict(path, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    architectures = config.get("architectures") or ["DFlashDraftModel"]
+    if config.get("model_type") == "muse_glimmer_assistant":
+        raise ValueError(
+            f"{path} is in transformers' built-in layout (muse_glimmer_assistant): load it with "
+            "`MuseGlimmerAssistantModel.from_pretrained`, or convert it first with `dflash-hf convert`."
+        )
+    if "DFlash2DraftModel" in architectures:
+        from .modeling_dflash2 import DFlash2DraftModel
+
+        return DFlash2DraftModel
+    if "DFlashDraftModel" in architectures:
+        return DFlashDraftModel
+    raise ValueError(
+        f"{path} declares architectures {architectures}; dflash-hf loads DFlash (`DFlashDraftModel`) and DFlash2 "
+        "(`DFlash2DraftModel`) drafters only."
+    )
+
+
+def adopt_remote_drafter(model) -> "DFlashDraftModel":
+    """Our drafter around the parameters of one built by z-lab's own remote code (``dflash.DFlashDraftModel``, or
+    ``DFlash2DraftModel``): same architecture, same weight names, the very same tensors (nothing is copied).
+
+    Raises a `ValueError` naming a loader that works when z-lab's module does not hold the published weight names.
+    """
+    if type(model).__name__ == "DFlash2DraftModel":
+        from .modeling_dflash2 import DFlash2DraftModel as drafter_class
+    else:
+        drafter_class = DFlashDraftModel
+    config = DFlashConfig.from_dict(model.config.to_dict())
+    config._attn_implementation = model.config._attn_implementation or "sdpa"
+    with torch.device("meta"):  # no second copy of the weights, not even for a moment
+        drafter = drafter_class(config)
+    # keep_vars: the very Parameter objects, so that a later `model.to(...)` moves the adopted drafter's weights too.
+    state = {drafter_class.remote_weight_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
+    missing, unexpected = drafter.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(
+            f"Cannot run z-lab's {type(model).__name__} as a DFlash assistant: its weights do not match the published "
+            f"layout (missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}). Load the checkpoint with "
+            "`dflash_hf.DFlashDraftModel.from_pretrained(path)` instead."
+        )
+    drafter.rotary_emb = Qwen3RotaryEmbedding(config).to(model.device)  # its buffers are not in the state dict
+    return drafter.train(model.training)
+
+
 def _query_key_positions(position_ids, past_len: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute positions of the block's queries ``[b, Q]`` and of every key ``[b, cache + C + Q]``. The cached
     context always covers positions ``[0, past_len)``: the generator feeds it in order."""
@@ -336,4 +434,4 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-__all__ = ["DFlashDraftModel", "extract_context_feature"]
+__all__ = ["DFlashDraftModel", "adopt_remote_drafter", "extract_context_feature"]

@@ -29,7 +29,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterMixin
 
-ALL_METHODS = ("greedy", "pld3", "pld10", "dflash", "dflash_builtin", "oracle")
+# dflash_nolookup: dflash without prompt lookup next to the drafter (the drafter alone, adaptive block size)
+ALL_METHODS = ("greedy", "pld3", "pld10", "dflash", "dflash_nolookup", "dflash_builtin", "oracle")
 VERIFY_KS = (1, 2, 4, 8, 16)
 
 
@@ -103,18 +104,19 @@ def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0, blo
         elif name.startswith("pld"):
             num = int(name[3:])
             methods.append(Method(name, {"prompt_lookup_num_tokens": num}, num + 1))
-        elif name in ("dflash", "dflash_builtin", "oracle"):
+        elif name in ("dflash", "dflash_nolookup", "dflash_builtin", "oracle"):
             if drafter is None:
                 raise ValueError(f"method {name!r} needs a DFlash drafter")
             if name == "oracle" and temperature > 0:
                 continue  # the greedy continuation is no oracle for a sampled one
             kwargs = {
                 "dflash": {"assistant_model": drafter},
+                "dflash_nolookup": {"assistant_model": drafter, "max_matching_ngram_size": 0},
                 "dflash_builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
                 "oracle": {"assistant_model": OracleDrafter(drafter)},
             }[name]
             if block != drafter.config.block_size:  # per call; the adaptive choice as the drafter's default says
-                adaptive = name == "dflash" and drafter.adaptive_block_size
+                adaptive = name in ("dflash", "dflash_nolookup") and drafter.adaptive_block_size
                 kwargs |= {"num_assistant_tokens": block - 1,
                            "num_assistant_tokens_schedule": "heuristic" if adaptive else "constant"}
             methods.append(Method(name, kwargs, block))

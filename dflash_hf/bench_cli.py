@@ -61,7 +61,7 @@ def run_bench(args) -> None:
     target, tokenizer = load_target(args.target, args.dtype)
     target_name = args.target or "default"
     methods = [m for m in args.methods.split(",") if m]
-    needs_drafter = any(m in ("dflash", "dflash_builtin", "oracle") for m in methods)
+    needs_drafter = any(m.startswith("dflash") or m == "oracle" for m in methods)
     drafter = load_drafter(args.draft, target, args.dtype, tokenizer) if needs_drafter else None
     if needs_drafter and drafter is None:
         raise DFlashUserError("no drafter is shipped for the default target yet: pass --draft PATH, --draft random, "

@@ -21,14 +21,14 @@ from safetensors.torch import load_file, save_file
 from transformers import MuseGlimmerAssistantConfig
 from transformers.dynamic_module_utils import get_relative_imports
 
-from .configuration_dflash import DFlashConfig
+from .configuration_dflash import DRAFT_VALUE_KEYS, DFlashConfig
 from .files import check_safetensors, write_folder
 from .modeling_dflash import DFlashDraftModel
 
 MODEL_CARD_TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 
 # The remote code every dflash-hf checkpoint carries (``auto_map`` names them); one source, at the repository root.
-REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py")
+REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "modeling_dflash2.py", "generation_dflash.py")
 
 # z-lab name prefix -> transformers built-in (MuseGlimmerAssistantModel) name prefix; every other name is shared.
 _TO_BUILTIN = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
@@ -72,13 +72,28 @@ _SHARED_CONFIG_FIELDS = (
 )
 
 
+def _draft_value(config: dict, name: str, default=None):
+    """z-lab's reading order for a DFlash value: ``dflash_config`` first, then the top level."""
+    return (config.get("dflash_config") or {}).get(name, config.get(name, default))
+
+
 def zlab_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor a z-lab drafter checkpoint holds, with its shape, from a ``config.json`` dict."""
+    """Every tensor a z-lab drafter checkpoint (DFlash or DFlash2) holds, with its shape, from a ``config.json``
+    dict (DFlash2: docs/dflash2-reference.md, bare codebook keys)."""
     hidden, head_dim = config["hidden_size"], config["head_dim"]
     q_dim, kv_dim = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     ffn = config["intermediate_size"]
-    features = len(config["dflash_config"]["target_layer_ids"])
+    features = len(_draft_value(config, "target_layer_ids"))
     shapes = {"fc.weight": (hidden, features * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    dflash2 = "DFlash2DraftModel" in (config.get("architectures") or [])
+    if dflash2:
+        taps, rank = _draft_value(config, "conv_kernel_size"), _draft_value(config, "selector_rank")
+        groups = hidden // _draft_value(config, "conv_group_size")
+        shapes.update({
+            "candidate_selector.hidden_projection.weight": (rank, hidden),
+            "candidate_selector.predecessor_codebook": (config["vocab_size"], rank),
+            "candidate_selector.successor_codebook": (config["vocab_size"], rank),
+        })  # fmt: skip
     for i in range(config["num_hidden_layers"]):
         prefix = f"layers.{i}."
         shapes.update(
@@ -96,6 +111,10 @@ def zlab_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
                 prefix + "mlp.down_proj.weight": (hidden, ffn),
             }
         )
+        if dflash2:
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"{prefix}{conv}.base_kernel"] = (2, taps, hidden)
+                shapes[f"{prefix}{conv}.kernel_projection.weight"] = (2 * taps * groups, hidden)
     return shapes
 
 
@@ -104,10 +123,9 @@ def _read_config(draft_dir: Path) -> dict:
 
 
 def _dflash_fields(config: dict) -> tuple[int, list[int], int]:
-    """``(block_size, target_layer_ids, mask_token_id)`` from either placement of ``block_size``."""
-    nested = config.get("dflash_config") or {}
-    block_size = nested.get("block_size", config.get("block_size"))
-    return block_size, nested.get("target_layer_ids"), nested.get("mask_token_id")
+    """``(block_size, target_layer_ids, mask_token_id)``, each read ``dflash_config`` first, then the top level."""
+    names = ("block_size", "target_layer_ids", "mask_token_id")
+    return tuple(_draft_value(config, name) for name in names)
 
 
 def write_model_card(
@@ -207,6 +225,16 @@ def _to_builtin(src_dir: Path, dst_dir: Path, overrides: dict) -> None:
     config = DFlashConfig.from_pretrained(src_dir)
     if config.attention_bias:
         raise ValueError("MuseGlimmerAssistantModel has no attention bias; this drafter uses one and cannot convert.")
+    if "DFlash2DraftModel" in (config.architectures or []):
+        raise ValueError("transformers has no DFlash2 drafter class: a DFlash2 checkpoint cannot convert to it.")
+    unsupported = [n for n in DRAFT_VALUE_KEYS if getattr(config, n) is not None]
+    unsupported += [f"causal layer {i}" for i in range(config.num_hidden_layers) if config.layer_is_causal(i)]
+    if unsupported:
+        raise ValueError(
+            f"MuseGlimmerAssistantModel attends bidirectionally and has no {', '.join(unsupported)}: this drafter "
+            "cannot convert without changing its drafts (sliding layers are causal unless the config sets "
+            "`is_causal: false`)."
+        )
     sliding = "sliding_attention" in config.layer_types
     if sliding and config.sliding_window is None:
         raise ValueError("The drafter declares sliding-attention layers without a `sliding_window`; set one first.")
@@ -238,7 +266,8 @@ def _to_zlab(src_dir: Path, dst_dir: Path, overrides: dict) -> None:
         tie_word_embeddings=False,
     )
     if "sliding_attention" in source["layer_types"]:
-        fields.update(sliding_window=source["sliding_window"], use_sliding_window=True)
+        # The built-in drafter's sliding layers are bidirectional; without the key z-lab's rule makes them causal.
+        fields.update(sliding_window=source["sliding_window"], use_sliding_window=True, is_causal=False)
     fields.update(overrides)
     if fields["vocab_size"] is None:
         raise ValueError(f"{src_dir}/config.json has no vocab_size; pass vocab_size=<the target's vocabulary size>.")
@@ -257,8 +286,12 @@ def validate_for_publishing(draft_dir) -> list[str]:
         return [f"{draft_dir}/config.json is missing"]
     config = _read_config(draft_dir)
     problems = []
-    if "DFlashDraftModel" not in (config.get("architectures") or []):
+    if not {"DFlashDraftModel", "DFlash2DraftModel"} & set(config.get("architectures") or []):
         problems.append(f"config.json architectures {config.get('architectures')} lacks DFlashDraftModel")
+    elif "DFlash2DraftModel" in config["architectures"]:
+        missing = [n for n in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+                   if _draft_value(config, n) is None]
+        problems += [f"config.json lacks `dflash_config.{name}` (DFlash2)" for name in missing]
     missing = [key for key in ENGINE_CONFIG_KEYS if config.get(key) is None]
     problems += [f"config.json lacks `{key}` (read by vLLM/SGLang)" for key in missing]
     _, layer_ids, mask_id = _dflash_fields(config)

@@ -1,5 +1,7 @@
 """Adaptive block size: the controller's choices on synthetic costs, and losslessness whatever it chooses."""
 
+import copy
+
 import pytest
 import torch
 from conftest import random_prompt, tiny_drafter
@@ -212,5 +214,13 @@ def test_prompt_lookup_off_and_fixed_blocks_never_look_up(target):
     drafter.prompt_lookup_ngram = 0
     generator = drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {})
     assert generator.lookup_rates is None
+    drafter.prompt_lookup_ngram = 3
+    per_call = copy.deepcopy(target.generation_config)
+    per_call.max_matching_ngram_size = 0  # generate(max_matching_ngram_size=0)
+    assert drafter.make_candidate_generator(target, per_call, random_prompt(0), {}).lookup_rates is None
+    ids = random_prompt(1)
+    plain = target.generate(ids, max_new_tokens=30, do_sample=False)
+    out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, max_matching_ngram_size=0)
+    assert torch.equal(out, plain)
     drafter = tiny_drafter(target, block_size=8, adaptive=False)
     assert drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {}).lookup_rates is None

@@ -99,13 +99,38 @@ def test_sliding_window_survives_conversion(target, tmp_path, prompt):
     attends to the whole context, and its bidirectional window is inclusive (``|q - k| <= w``, ours ``q - k < w``).
     """
     layer_types = ["sliding_attention", "full_attention"]
-    make_drafter(target, layer_types=layer_types, sliding_window=5).save_pretrained(tmp_path / "z")
+    make_drafter(target, layer_types=layer_types, sliding_window=5, is_causal=False).save_pretrained(tmp_path / "z")
     builtin = MuseGlimmerAssistantModel.from_pretrained(convert_checkpoint(tmp_path / "z", tmp_path / "b")).eval()
     assert builtin.config.layer_types == layer_types and builtin.config.sliding_window == 5
     out = greedy(target, prompt, assistant_model=builtin, speculation_type="dflash")
     assert torch.equal(out, greedy(target, prompt))
     back = DFlashConfig.from_pretrained(convert_checkpoint(tmp_path / "b", tmp_path / "z2", to="zlab"))
     assert back.layer_types == layer_types and back.sliding_window == 5
+    assert back.is_causal is False  # the built-in drafter's sliding layers are bidirectional: say so explicitly
+
+
+def test_drafts_the_builtin_class_cannot_reproduce_are_not_converted(target, tmp_path):
+    """Causal sliding layers (z-lab's default without `is_causal`), the newer keys and DFlash2 have no built-in twin."""
+    make_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=5).save_pretrained(tmp_path / "c")
+    with pytest.raises(ValueError, match="causal layer 0"):
+        convert_checkpoint(tmp_path / "c", tmp_path / "c2")
+    make_drafter(target, output_multiplier=0.5).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="output_multiplier"):
+        convert_checkpoint(tmp_path / "m", tmp_path / "m2")
+
+
+def test_validation_knows_dflash2_checkpoints(tmp_path):
+    from published import dflash2_config, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "d2", dflash2_config(target := tiny_target()))
+    DFlashDraftModel.from_pretrained(folder).save_pretrained(tmp_path / "saved")
+    write_model_card(tmp_path / "saved", "org/target")
+    assert validate_for_publishing(tmp_path / "saved") == []
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    del config["dflash_config"]["selector_rank"]
+    (tmp_path / "saved" / "config.json").write_text(json.dumps(config))
+    assert validate_for_publishing(tmp_path / "saved") == ["config.json lacks `dflash_config.selector_rank` (DFlash2)"]
+    assert target.config.vocab_size == 96
 
 
 def test_builtin_conversion_decodes_like_ours(target, saved_drafter, tmp_path, prompt):
@@ -203,7 +228,7 @@ def test_push_dry_run_and_upload_calls(saved_drafter, monkeypatch):
     files = push_to_hub(saved_drafter, "me/draft", dry_run=True)
     names = [name for name, _ in files]
     assert names == ["README.md", "config.json", "configuration_dflash.py", "generation_dflash.py",
-                     "model.safetensors", "modeling_dflash.py"]
+                     "model.safetensors", "modeling_dflash.py", "modeling_dflash2.py"]
     assert dict(files)["model.safetensors"] == (saved_drafter / "model.safetensors").stat().st_size
     assert RecordingApi.calls == []
 

@@ -64,6 +64,20 @@ def chi_square_rejects(samples: Counter, joint: dict, n: int) -> tuple[bool, flo
     return statistic > critical, statistic, critical
 
 
+def check_follows_the_joint(target, drafter, ids, joint, options) -> int:
+    """Draw NUM_SAMPLES continuations through generate() with the drafter, run the chi-square test against the exact
+    joint, and return how many drafts were accepted in all."""
+    torch.manual_seed(1234)
+    samples, accepted = Counter(), 0
+    for _ in range(NUM_SAMPLES):
+        out = target.generate(ids, assistant_model=drafter, **options)
+        samples[tuple(out[0, ids.shape[1] :].tolist())] += 1
+        accepted += sum(a - 1 for a in drafter.last_stats.acceptance_lengths)
+    rejects, statistic, critical = chi_square_rejects(samples, joint, NUM_SAMPLES)
+    assert not rejects, f"chi2 {statistic:.1f} > {critical:.1f}: the drafter changed the sampling distribution"
+    return accepted
+
+
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"),
     [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 8, 1.0), (1.3, 0, 0.8)],
@@ -78,14 +92,7 @@ def test_sampling_with_drafter_follows_target_distribution(temperature, top_k, t
     joint = exact_joint(target, ids, processors(temperature, top_k, top_p))
     pin(drafter, greedy_path)
     options = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=top_p, max_new_tokens=3)
-    torch.manual_seed(1234)
-    samples, accepted = Counter(), 0
-    for _ in range(NUM_SAMPLES):
-        out = target.generate(ids, assistant_model=drafter, **options)
-        samples[tuple(out[0, ids.shape[1] :].tolist())] += 1
-        accepted += sum(a - 1 for a in drafter.last_stats.acceptance_lengths)
-    rejects, statistic, critical = chi_square_rejects(samples, joint, NUM_SAMPLES)
-    assert not rejects, f"chi2 {statistic:.1f} > {critical:.1f}: the drafter changed the sampling distribution"
+    accepted = check_follows_the_joint(target, drafter, ids, joint, options)
     assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted, so the acceptance rule was exercised
 
 
@@ -102,3 +109,23 @@ def test_the_chi_square_check_catches_a_biased_sampler():
     draws = torch.multinomial(torch.tensor(weights), NUM_SAMPLES, replacement=True, generator=generator)
     samples = Counter(sequences[i] for i in draws.tolist())
     assert chi_square_rejects(samples, joint, NUM_SAMPLES)[0]
+
+
+@pytest.mark.parametrize("temperature", [0.7])
+def test_dflash2_sampling_with_its_draft_distribution_follows_target_distribution(temperature, tmp_path):
+    """DFlash2 samples its path from q_t = softmax(S_t / T) and hands q to the verifier (accept u * q(d) < p(d), else
+    resample from norm(max(p - q, 0))). An 8-token vocabulary keeps the exact joint small and q far from one-hot, and
+    its top-5 candidates leave q = 0 on three tokens, so both the acceptance and the residual are exercised."""
+    from published import dflash2_config, write_checkpoint
+
+    from dflash_hf import DFlash2DraftModel
+
+    target = tiny_target(seed=3, vocab_size=8)
+    folder = write_checkpoint(tmp_path / "d2", dflash2_config(target, block_size=4), seed=2)
+    drafter = DFlash2DraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    drafter.adaptive_block_size = False
+    ids = random_prompt(4, length=6) % 7 + 1  # no pad id (0) in the prompt
+    joint = exact_joint(target, ids, processors(temperature, 0, 1.0))
+    options = dict(do_sample=True, temperature=temperature, top_k=None, top_p=1.0, max_new_tokens=3)
+    accepted = check_follows_the_joint(target, drafter, ids, joint, options)
+    assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted (0.31 per sample here), so both paths ran

@@ -1,0 +1,1 @@
+../modeling_dflash2.py

@@ -3,6 +3,7 @@
 import argparse
 import time
 
+from .arguments import COUNT, NON_NEGATIVE
 from .bench import ALL_METHODS
 from .errors import DFlashUserError
 from .loading import load_drafter, load_target
@@ -23,22 +24,22 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", help="target folder (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="drafter folder, or 'random' for an untrained drafter (tau ~ 1: overhead "
                    "only); default: the drafter shipped for the default target")
-    p.add_argument("--block-size", type=int, help="draft smaller blocks than the drafter's (sweep 4/8/16 on "
+    p.add_argument("--block-size", type=COUNT, help="draft smaller blocks than the drafter's (sweep 4/8/16 on "
                    "CPU); set per call through generate's num_assistant_tokens")
     p.add_argument("--datasets", default=",".join(DATASETS),
                    help="comma-separated datasets, NAME or NAME@START to skip the first START prompts "
                    "(default: %(default)s: the shipped drafter was trained on GSM8K 0-999)")
-    p.add_argument("--num-prompts", type=int, default=10, help="prompts per dataset (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per prompt and method (default: %(default)s)")
+    p.add_argument("--num-prompts", type=COUNT, default=10, help="prompts per dataset (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=COUNT, default=128, help="(default: %(default)s)")
+    p.add_argument("--repeats", type=COUNT, default=3, help="timed repeats per prompt and method (default: %(default)s)")
     p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=NON_NEGATIVE, default=0.0,
                    help="0 = greedy (default); > 0 samples every method (the oracle is then skipped)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="target and drafter dtype")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--threads", type=COUNT, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, not chat messages")
-    p.add_argument("--context-len", type=int, default=256, help="cached context for r(k) (default: %(default)s)")
-    p.add_argument("--verify-repeats", type=int, default=7, help="repeats for r(k) (default: %(default)s)")
+    p.add_argument("--context-len", type=COUNT, default=256, help="cached context for r(k) (default: %(default)s)")
+    p.add_argument("--verify-repeats", type=COUNT, default=7, help="repeats for r(k) (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
     p.add_argument("--quick", action="store_true",

@@ -165,3 +165,30 @@ def test_damaged_cached_default_target_says_how_to_rebuild_it(tmp_path, monkeypa
     monkeypatch.setattr(assets, "prepare_default_target", lambda *a, **k: folder)
     assert main(["generate", "hi", "--draft", "none", "--dtype", "float32"]) == 1
     assert one_line_error(capsys, "generate").endswith(f"is empty: delete {folder} and run `dflash-hf prepare`")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--target", "t", "--data", "d", "--output-dir", "o", "--mask-token-id", "16", "--batch-size", "0"],
+         "argument --batch-size: must be a count >= 1, got 0"),
+        (["train", "--target", "t", "--data", "d", "--output-dir", "o", "--mask-token-id", "-3"],
+         "argument --mask-token-id: must be a count >= 0, got -3"),
+        (["train", "--target", "t", "--data", "d", "--output-dir", "o", "--mask-token-id", "16", "--lr", "nan"],
+         "argument --lr: must be a number >= 0.0, got nan"),
+        (["distill", "--target", "t", "--prompts", "p", "--out", "o", "--temperature", "-1"],
+         "argument --temperature: must be a number >= 0.0, got -1"),
+        (["distill", "--target", "t", "--prompts", "p", "--out", "o", "--max-new-tokens", "ten"],
+         "argument --max-new-tokens: expected an integer, got 'ten'"),
+        (["eval", "--target", "t", "--draft", "d", "--data", "x", "--limit", "0"],
+         "argument --limit: must be a count >= 1, got 0"),
+        (["bench", "--repeats", "0"], "argument --repeats: must be a count >= 1, got 0"),
+        (["bench", "--temperature", "-0.5"], "argument --temperature: must be a number >= 0.0, got -0.5"),
+    ],
+)
+def test_bad_numbers_are_usage_errors_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -9,6 +9,8 @@ import logging
 import time
 from pathlib import Path
 
+from ..arguments import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT
+
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.replace(",", " ").split()]
@@ -19,20 +21,20 @@ def _add_common(p, *, target_help="local folder of the target model (config, wei
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="random seed (sampling, init, data order, anchors)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--threads", type=COUNT, default=None, help="torch.set_num_threads (CPU)")
 
 
 def _add_distill_options(p, prefix: str = ""):
     """Options of the generation stage; ``prefix`` namespaces them inside ``train-all``."""
-    p.add_argument(f"--{prefix}batch-size", type=int, default=16, dest=f"{prefix.replace('-', '_')}batch_size",
+    p.add_argument(f"--{prefix}batch-size", type=COUNT, default=16, dest=f"{prefix.replace('-', '_')}batch_size",
                    help="prompts generated together (left padding)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="longest response the target writes")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples the target's answers")
-    p.add_argument("--max-prompt-length", type=int, default=2048, help="skip (and report) longer templated prompts")
-    p.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resumption)")
+    p.add_argument("--max-new-tokens", type=COUNT, default=512, help="longest response the target writes")
+    p.add_argument("--temperature", type=NON_NEGATIVE, default=0.0, help="0 = greedy; > 0 samples the target's answers")
+    p.add_argument("--max-prompt-length", type=COUNT, default=2048, help="skip (and report) longer templated prompts")
+    p.add_argument("--shard-size", type=COUNT, default=256, help="prompts per shard (the unit of resumption)")
     p.add_argument("--no-features", action="store_true",
                    help="store tokens only; training then runs the target online for features")
-    p.add_argument("--num-features", type=int, default=5,
+    p.add_argument("--num-features", type=COUNT, default=5,
                    help="feature layers when --target-layer-ids is not given (build_target_layer_ids)")
     p.add_argument("--chat-template-kwargs", default=None,
                    help='JSON passed to apply_chat_template, e.g. \'{"enable_thinking": false}\'')
@@ -45,11 +47,11 @@ def add_distill_parser(subparsers):
     _add_common(p)
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL/JSON prompt files (turns/ShareGPT/prompt)")
     p.add_argument("--out", required=True, help="output folder of shard-*.safetensors + manifest.json")
-    p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
+    p.add_argument("--limit", type=COUNT, default=None, help="use at most this many prompts")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
     p.add_argument("--target-layer-ids", type=_int_list, default=None,
                    help="feature layers, e.g. '1,8,14,20,27' (default: build_target_layer_ids)")
-    p.add_argument("--time-budget", type=float, default=None, help="seconds; no new shard starts after this")
+    p.add_argument("--time-budget", type=NON_NEGATIVE, default=None, help="seconds; no new shard starts after this")
     _add_distill_options(p)
     p.set_defaults(func=run_distill)
     return p
@@ -63,23 +65,23 @@ def add_features_parser(subparsers):
     p.add_argument("--data", required=True, help="folder of token-only shard-*.safetensors")
     p.add_argument("--out", required=True, help="output folder for the shards with features")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per teacher-forced forward")
+    p.add_argument("--batch-size", type=COUNT, default=8, help="sequences per teacher-forced forward")
     p.add_argument("--target-layer-ids", type=_int_list, default=None,
                    help="feature layers (default: the shards' ids, else build_target_layer_ids)")
-    p.add_argument("--num-features", type=int, default=5, help="feature layers when no ids are known")
+    p.add_argument("--num-features", type=COUNT, default=5, help="feature layers when no ids are known")
     p.set_defaults(func=run_features)
     return p
 
 
 def _add_train_options(p):
     g = p.add_argument_group("drafter")
-    g.add_argument("--mask-token-id", type=int, required=True,
+    g.add_argument("--mask-token-id", type=NON_NEGATIVE_INT, required=True,
                    help="an unused row of the target's vocabulary for masked block slots (SmolLM2: 16)")
-    g.add_argument("--num-draft-layers", type=int, default=5, help="drafter decoder layers")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per block (anchor + B-1 drafts)")
+    g.add_argument("--num-draft-layers", type=COUNT, default=5, help="drafter decoder layers")
+    g.add_argument("--block-size", type=COUNT, default=16, help="tokens per block (anchor + B-1 drafts)")
     g.add_argument("--target-layer-ids", type=_int_list, default=None,
                    help="feature layers (default: the shards' ids, else build_target_layer_ids)")
-    g.add_argument("--intermediate-size", type=int, default=None, help="drafter MLP width (default: the target's)")
+    g.add_argument("--intermediate-size", type=COUNT, default=None, help="drafter MLP width (default: the target's)")
     g.add_argument("--init-from", default=None,
                    help="start from this trained drafter folder (its shape; fresh optimizer and schedule), e.g. the "
                    "shipped one: training accumulates across runs")
@@ -89,43 +91,43 @@ def _add_train_options(p):
                    help="drafter attention in training: flex_attention computes the block mask per tile (GPU "
                    "only); sdpa/eager take a dense boolean mask; auto = flex_attention on CUDA, sdpa elsewhere")
     g = p.add_argument_group("blocks and loss")
-    g.add_argument("--num-anchors", type=int, default=512, help="blocks (random anchors) per sequence per step")
+    g.add_argument("--num-anchors", type=COUNT, default=512, help="blocks (random anchors) per sequence per step")
     g.add_argument("--gamma", type=float, default=None,
                    help="loss decay exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8; <= 0 for uniform")
     g.add_argument("--sample-positions", action="store_true",
                    help="keep label position k with probability w_k at unit weight (cuts lm_head cost ~2x)")
-    g.add_argument("--train-vocab", type=int, default=0,
+    g.add_argument("--train-vocab", type=NON_NEGATIVE_INT, default=0,
                    help="loss over the N most frequent response tokens only (0 = the full vocabulary): the lm_head "
                    "is most of a CPU step; the drafter still drafts over the full vocabulary")
-    g.add_argument("--max-length", type=int, default=3072, help="truncate sequences to this many tokens")
+    g.add_argument("--max-length", type=COUNT, default=3072, help="truncate sequences to this many tokens")
     g.add_argument("--online-features", action="store_true",
                    help="run the target for features even when the shards store them")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
-    g.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor as a fraction of --lr")
-    g.add_argument("--warmup-ratio", type=float, default=0.04, help="warm-up steps as a fraction of all steps")
-    g.add_argument("--warmup-steps", type=int, default=None, help="overrides --warmup-ratio")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (matrices only)")
+    g.add_argument("--lr", type=NON_NEGATIVE, default=6e-4, help="peak AdamW learning rate")
+    g.add_argument("--min-lr-ratio", type=NON_NEGATIVE, default=0.0, help="cosine floor as a fraction of --lr")
+    g.add_argument("--warmup-ratio", type=NON_NEGATIVE, default=0.04, help="warm-up steps as a fraction of all steps")
+    g.add_argument("--warmup-steps", type=NON_NEGATIVE_INT, default=None, help="overrides --warmup-ratio")
+    g.add_argument("--weight-decay", type=NON_NEGATIVE, default=0.0, help="AdamW weight decay (matrices only)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip for all parameters but fc (0 = off)")
-    g.add_argument("--fc-max-grad-norm", type=float, default=1.0, help="separate clip for fc (0 = off)")
-    g.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per process")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--epochs", type=int, default=6, help="passes over the data (ignored with --max-steps)")
-    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps; sets the schedule length")
+    g.add_argument("--adam-eps", type=NON_NEGATIVE, default=1e-8)
+    g.add_argument("--max-grad-norm", type=NON_NEGATIVE, default=1.0, help="clip for all parameters but fc (0 = off)")
+    g.add_argument("--fc-max-grad-norm", type=NON_NEGATIVE, default=1.0, help="separate clip for fc (0 = off)")
+    g.add_argument("--batch-size", type=COUNT, default=1, help="sequences per micro-batch per process")
+    g.add_argument("--grad-accum", type=COUNT, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--epochs", type=COUNT, default=6, help="passes over the data (ignored with --max-steps)")
+    g.add_argument("--max-steps", type=COUNT, default=None, help="optimizer steps; sets the schedule length")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter and lm_head")
     g.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype the frozen target is loaded in")
     g = p.add_argument_group("run control")
-    g.add_argument("--time-budget", type=float, default=None,
+    g.add_argument("--time-budget", type=NON_NEGATIVE, default=None,
                    help="seconds of training; stops cleanly with a checkpoint and a final drafter")
-    g.add_argument("--stop-after", type=int, default=None,
+    g.add_argument("--stop-after", type=COUNT, default=None,
                    help="stop (with a checkpoint) after this step without changing the schedule")
-    g.add_argument("--log-every", type=int, default=10, help="steps per log.jsonl line / progress update")
-    g.add_argument("--save-every", type=int, default=1000, help="steps between checkpoints (0 = only at the end)")
-    g.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0 = all)")
+    g.add_argument("--log-every", type=COUNT, default=10, help="steps per log.jsonl line / progress update")
+    g.add_argument("--save-every", type=NON_NEGATIVE_INT, default=1000, help="steps between checkpoints (0 = only at the end)")
+    g.add_argument("--keep-checkpoints", type=NON_NEGATIVE_INT, default=3, help="newest checkpoints kept (0 = all)")
     g.add_argument("--final-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="dtype of OUT/final (published drafters are bf16)")
     g.add_argument("--final-max-shard-size", default=None, help="e.g. 15MB: split OUT/final into shards")
@@ -154,9 +156,9 @@ def add_eval_parser(subparsers):
     source.add_argument("--prompts", nargs="+", help="held-out JSONL/JSON prompt files (tau by generating)")
     source.add_argument("--data", help="held-out distilled shards: tau teacher-forced on the target's own answers "
                         "(the round-by-round acceptance of a greedy run that followed those answers; minutes faster)")
-    p.add_argument("--limit", type=int, default=20, help="prompts (or distilled sequences) to evaluate")
+    p.add_argument("--limit", type=COUNT, default=20, help="prompts (or distilled sequences) to evaluate")
     p.add_argument("--block-sizes", type=_int_list, default=[4, 8, 16], help="e.g. '4,8,16'")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=COUNT, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
     p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--chat-template-kwargs", default=None, help="JSON passed to apply_chat_template")
@@ -173,9 +175,9 @@ def add_train_all_parser(subparsers):
     _add_common(p)
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL/JSON prompt files")
     p.add_argument("--out", required=True, help="run folder: data/ (shards) and train/ (checkpoints, final/)")
-    p.add_argument("--budget", type=float, required=True, help="total wall-clock seconds for both stages")
-    p.add_argument("--distill-fraction", type=float, default=0.3, help="share of --budget for distillation")
-    p.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
+    p.add_argument("--budget", type=NON_NEGATIVE, required=True, help="total wall-clock seconds for both stages")
+    p.add_argument("--distill-fraction", type=NON_NEGATIVE, default=0.3, help="share of --budget for distillation")
+    p.add_argument("--limit", type=COUNT, default=None, help="use at most this many prompts")
     p.add_argument("--eval-prompts", nargs="*", default=None, help="if given, run eval on OUT/train/final after")
     _add_distill_options(p, prefix="distill-")
     _add_train_options(p)

@@ -289,7 +289,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         wanted = self.controller.choose() if self.controller is not None else self.block_size - 1
         shadow = self.controller is not None and self.controller.shadow
         # Never propose past max_length: the target's own token after the drafts must fit too.
-        num_drafts = max(min(wanted, self.max_length - input_ids.shape[1] - 1), 0)
+        room = max(self.max_length - input_ids.shape[1] - 1, 0)
+        num_drafts = min(wanted, room)
         self.round_drafts = None
         drafting = num_drafts > 0 or shadow
         # Not what a round of this size costs: a shadow round (plain + a drafter forward), or one whose drafter
@@ -297,7 +298,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         fed = sum(features.shape[1] for features in self.pending_context)
         self.round_is_typical = not shadow and (not drafting or fed <= self.block_size)
         self.round_draft_logits = None  # a lookup round has no draft distribution: transformers compares samples
-        lookup = self._prompt_lookup(input_ids, num_drafts, shadow)
+        lookup = self._prompt_lookup(input_ids, num_drafts, min(self.block_size - 1, room), shadow)
         self.round_from_lookup = lookup is not None
         if self.round_from_lookup:  # no drafter forward: its context stays pending, as in a plain round
             proposals, self.round_is_typical = lookup, False
@@ -363,9 +364,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
             self.round_draft_logits = draft_logits[None, :num_drafts]
         return self.round_drafts[:, :num_drafts]
 
-    def _prompt_lookup(self, input_ids, num_drafts: int, shadow: bool) -> torch.LongTensor | None:
+    def _prompt_lookup(self, input_ids, num_drafts: int, budget: int, shadow: bool) -> torch.LongTensor | None:
         """The prompt-lookup continuation when it is expected to commit more tokens per second than the drafter's
-        choice this round (``num_drafts`` drafts, 0 = plain decoding), else None.
+        choice this round (``num_drafts`` drafts, 0 = plain decoding), else None; at most ``budget`` tokens (the block
+        and max_length allow).
 
         Answers repeat the prompt's identifiers and phrases, which a drafter of a small target often misses. Both
         sources are judged by the same estimator (`DraftLengthController`): expected committed tokens over the
@@ -374,7 +376,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
         """
         if self.lookup_rates is None or shadow or 0 not in self.controller.cost:  # costs not measured yet
             return None
-        budget = max(min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1), 0)
         continuation = prompt_lookup(input_ids[0], self.lookup_ngram, budget)
         if continuation is None:
             return None

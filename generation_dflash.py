@@ -2,16 +2,22 @@
 
 This file travels as remote code inside every saved drafter, so it imports only ``torch`` and ``transformers``.
 
-One speculative round, in the order transformers' assisted-decoding loop runs it:
+One speculative round, in the order transformers' assisted-decoding loop runs it (`DFlashCandidateGenerator`'s
+``get_candidates`` reads as the first four steps):
 
-1. **feed context** (`DFlashCandidateGenerator._collect_context`): the target features of exactly the positions
-   committed since the last round (the whole prompt after prefill; anchor + accepted drafts afterwards);
-2. **draft** (`DFlashCandidateGenerator._draft`): embed ``[last token, mask x (B-1)]`` with the target's embedding, run
-   the drafter once, take the argmax of the target's ``lm_head`` on rows ``1..B-1``;
-3. **verify** and 4. **accept**: transformers' loop runs the target on the block and keeps the longest matching prefix
+1. **feed context** (``feed_context``): the target features of exactly the positions committed since the last round
+   (the whole prompt after prefill; anchor + accepted drafts afterwards);
+2. **choose size** (`RoundController.choose`): how many drafts, and from where -- the drafter, or prompt lookup when
+   its continuation is expected to commit more tokens per second; fixed blocks always propose ``B - 1``;
+3. **draft** (``draft``): for the drafter, one `DFlashDraftHead` call -- embed ``[last token, mask x (B-1)]`` with the
+   target's embedding, run the drafter once, take the argmax of the target's ``lm_head`` on rows ``1..B-1``;
+4. **trim** (``trim``): cut the proposals before one that completes a stop string;
+5. **verify** and 6. **accept**: transformers' loop runs the target on the block and keeps the longest matching prefix
    plus the target's own next token. Greedy: first mismatch. Sampling: the generator returns no draft distribution,
    so the loop samples the target at every position and accepts drafts while they equal the sample -- rejection
    sampling with a one-hot draft distribution, exact target sampling with the highest acceptance a greedy draft gets.
+   ``update_candidate_strategy`` hands the result to the controller (`RoundController.record_verification`), which
+   also times the rounds for the adaptive block size.
 
 Dispatch: `install_dflash_dispatch` wraps ``GenerationMixin._get_candidate_generator`` (and the mode validation
 before it) so that a DFlash drafter passed as ``assistant_model`` gets `DFlashCandidateGenerator`. Every other
@@ -26,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
+from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -205,6 +212,142 @@ class DraftLengthController:
             self.cost[proposed] = previous + self.rates[0] * (min(seconds, 2 * previous) - previous)
 
 
+@dataclass
+class DraftRound:
+    """One round, planned by `RoundController.choose` and kept by it until the target has verified the round.
+
+    The plan: ``num_drafts`` drafts wanted (0 = plain decoding); ``shadow``: the drafter runs anyway, to judge its
+    draft 1; ``lookup``: the prompt-lookup continuation ``[1, k]``, proposed instead of the drafter's block. The draft
+    phase fills ``drafts [1, M]`` (the drafter's, one more than proposed where the block has it, for the controller)
+    and ``context_read`` (new context positions its forward read); trimming fills ``proposed``.
+    """
+
+    num_drafts: int
+    shadow: bool = False
+    lookup: torch.LongTensor | None = None
+    drafts: torch.LongTensor | None = None
+    context_read: int = 0
+    proposed: int = 0
+
+    @property
+    def runs_drafter(self) -> bool:
+        return self.lookup is None and (self.num_drafts > 0 or self.shadow)
+
+
+class RoundController:
+    """The generator's round bookkeeping: what each round proposes, what it cost, and what its verification taught.
+
+    Adaptive (``adaptive=True``): `DraftLengthController` (``sizes``) picks the number of drafts from acceptance and
+    from round costs this object measures -- the wall time from one ``get_candidates`` to the next, charged to the
+    round's size only when typical of it (`is_typical`) -- and runs its shadow rounds. Prompt lookup
+    (``lookup_ngram > 0``) proposes its continuation instead when that is expected to commit more tokens per second,
+    judged by an estimator of its own (``lookup_rates``). Fixed blocks: always ``block_size - 1`` drafts, nothing
+    timed. Every verified round lands in ``stats``.
+    """
+
+    def __init__(self, block_size: int, adaptive: bool, lookup_ngram: int, stats: DFlashStats):
+        self.block_size, self.stats = block_size, stats
+        self.sizes = DraftLengthController(block_size - 1) if adaptive else None
+        self.lookup_ngram = lookup_ngram if adaptive else 0
+        self.lookup_rates = DraftLengthController(block_size - 1) if self.lookup_ngram else None
+        self.current: DraftRound | None = None  # None while the target prefills
+        self.started = 0.0
+
+    def head_rows(self) -> list[int]:
+        """The numbers of block rows a round may ask of the draft head (``k + 1`` for ``k`` drafts, at most B - 1;
+        a shadow draft, k = 0, judges one row)."""
+        sizes = self.sizes.candidates if self.sizes is not None else [self.block_size - 1]
+        return [min(k + 1, self.block_size - 1) for k in sizes]
+
+    def start_round(self) -> None:
+        """A round begins, so the previous one has ended: charge its wall time to its size when typical."""
+        now = time.perf_counter()
+        if self.sizes is not None and self.current is not None and self.is_typical(self.current):
+            self.sizes.record_cost(self.current.proposed, now - self.started)
+        self.started = now
+
+    def is_typical(self, round: DraftRound) -> bool:
+        """Whether the round cost what a round of its size costs: not a shadow round (plain + a drafter forward),
+        not a lookup round (no drafter forward), not one whose drafter forward read more than a block of new context
+        (the prompt, or what plain rounds left pending)."""
+        return not (round.shadow or round.lookup is not None) and round.context_read <= self.block_size
+
+    def choose(self, input_ids, room: int) -> DraftRound:
+        """Plan this round for ``input_ids [1, n]``: how many drafts (at most ``room``, what max_length leaves) and
+        from where (the drafter, or prompt lookup)."""
+        wanted = self.sizes.choose() if self.sizes is not None else self.block_size - 1
+        shadow = self.sizes is not None and self.sizes.shadow
+        self.current = DraftRound(min(wanted, room), shadow)
+        self.current.lookup = self._prompt_lookup(input_ids, self.current, min(self.block_size - 1, room))
+        return self.current
+
+    def _prompt_lookup(self, input_ids, round: DraftRound, budget: int) -> torch.LongTensor | None:
+        """The prompt-lookup continuation ``[1, k]`` when it is expected to commit more tokens per second than the
+        drafter's choice this round (``round.num_drafts`` drafts, 0 = plain decoding), else None; at most ``budget``
+        tokens (the block and max_length allow).
+
+        Answers repeat the prompt's identifiers and phrases, which a drafter of a small target often misses. Both
+        sources are judged by the same estimator (`DraftLengthController`): expected committed tokens over the
+        measured cost of verifying that many tokens (a lookup round skips the drafter forward, so the estimate is
+        conservative for it). Shadow rounds stay with the drafter: they exist to judge it.
+        """
+        sizes = self.sizes
+        if self.lookup_rates is None or round.shadow or 0 not in sizes.cost:  # costs not measured yet
+            return None
+        continuation = prompt_lookup(input_ids[0], self.lookup_ngram, budget)
+        if continuation is None:
+            return None
+        found = continuation.shape[0]
+        lookup_rate = self.lookup_rates.expected_tokens(found) / sizes.estimated_cost(found)
+        drafter_rate = sizes.expected_tokens(round.num_drafts) / sizes.estimated_cost(round.num_drafts)
+        return continuation[None] if lookup_rate > drafter_rate else None
+
+    def record_verification(self, accepted: int, target_token: torch.Tensor) -> None:
+        """The target accepted the current round's first ``accepted`` proposals, then committed ``target_token``."""
+        round = self.current
+        if round is None:  # the prefill
+            return
+        self.stats.record(round.proposed, accepted + 1)
+        if round.lookup is not None:
+            self.lookup_rates.record_acceptance(min(accepted + 1, round.proposed), accepted)
+        elif self.sizes is not None and round.drafts is not None:
+            judged = min(accepted + 1, round.drafts.shape[1])
+            if accepted == round.proposed and judged > accepted:  # the target's own token judges draft k+1
+                accepted += int(round.drafts[0, accepted] == target_token)
+            self.sizes.record_acceptance(judged, accepted)
+
+
+class DFlashDraftHead(nn.Module):
+    """The draft head of one round: the drafter over ``[anchor, mask x (B-1)]`` and the target's ``lm_head`` on the
+    block's rows -> drafts.
+
+    A module of its own, composing the drafter with the target's embedding and head (no weights of its own), so that
+    each round's draft is one call that module hooks (``register_forward_hook``) and profilers see, head included
+    (`head_argmax` may multiply by the head's weight without calling ``lm_head``).
+    """
+
+    def __init__(self, drafter, embed_tokens, lm_head):
+        super().__init__()
+        self.drafter, self.embed_tokens, self.lm_head = drafter, embed_tokens, lm_head
+        self.draft_device, self.draft_dtype = drafter.device, drafter.dtype
+
+    @torch.no_grad()
+    def forward(self, block_ids, context, position_ids, cache, num_rows: int, temperature: float | None = None):
+        """``block_ids [1, B]`` (anchor, masks), ``context [1, C, F*H]`` (target features not yet in ``cache``),
+        ``position_ids [1, C + B]`` -> ``(drafts [1, M], draft log q [1, M, V] or None)`` for block rows ``1..M``,
+        ``M = num_rows`` (the drafter's `propose`: argmax for DFlash, the path selector for DFlash2)."""
+        drafter, weight = self.drafter, self.lm_head.weight
+        noise = drafter.embed_block(self.embed_tokens, block_ids).to(device=self.draft_device, dtype=self.draft_dtype)
+        hidden = drafter(
+            noise_embedding=noise, target_hidden=context, position_ids=position_ids, past_key_values=cache, use_cache=True
+        ).last_hidden_state
+        # A 2-D [M, H] input: a 3-D slice keeps the stride of the full block in its batch dimension, and
+        # torch.matmul then copies the whole transposed lm_head weight on every call (65 ms per round in bf16).
+        rows = hidden[0, 1 : 1 + num_rows].to(device=weight.device, dtype=weight.dtype)
+        drafts, draft_logits = drafter.propose(self.lm_head, rows, block_ids[0, 0], temperature)
+        return drafts[None], None if draft_logits is None else draft_logits[None]
+
+
 class DFlashCandidateGenerator(CandidateGenerator):
     """Proposes a whole block of drafts per round from one drafter forward (see the module docstring).
 
@@ -234,8 +377,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             raise ValueError("DFlash through generate() does not take padded input: pass the prompt unpadded.")
 
         self.drafter = drafter
-        self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        self.draft_head = DFlashDraftHead(drafter, target.get_input_embeddings(), target.get_output_embeddings())
         self.block_size, adaptive = draft_settings(drafter, generation_config)
         self.max_length = generation_config.max_length
         self.layer_ids = list(drafter.config.target_layer_ids)
@@ -243,10 +385,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # (a partial list there breaks transformers' per-token output splitting).
         capture = True if generation_config.output_hidden_states else [i + 1 for i in self.layer_ids]
         self.model_kwargs_overrides = {"output_hidden_states": capture}
-        self.draft_device, self.draft_dtype = drafter.device, drafter.dtype
         # Drafters with a draft distribution (DFlash2) sample their path at the request's temperature and return q.
         self.temperature = generation_config.temperature if generation_config.do_sample else None
-        self.round_draft_logits: torch.Tensor | None = None  # [1, k, V] log q of the proposals, when sampled
         self.mask_ids = torch.full(
             (1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long, device=input_ids.device
         )
@@ -256,133 +396,84 @@ class DFlashCandidateGenerator(CandidateGenerator):
             else None
         )
         self.cache = DynamicCache()
-        self.pending_context: list[torch.Tensor] = []
+        self.pending_context: list[torch.Tensor] = []  # target features fed but not yet read by a drafter forward
         self.verified_from = 0
-        self.round_proposed: int | None = None  # None while the target prefills
-        self.round_drafts: torch.LongTensor | None = None  # proposals plus one more draft, for the controller
-        self.round_started = 0.0
-        self.round_is_typical = True  # whether the controller may learn this round's cost (see get_candidates)
-        self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
-        # Prompt lookup next to the drafter (adaptive mode only): its own acceptance estimates, same estimator.
-        # Per call through transformers' prompt-lookup field, `generate(max_matching_ngram_size=n)` (0 = off).
+        # Prompt lookup next to the drafter (adaptive mode only), per call through transformers' prompt-lookup field:
+        # `generate(max_matching_ngram_size=n)` (0 = off).
         ngram = generation_config.max_matching_ngram_size
-        self.lookup_ngram = (getattr(drafter, "prompt_lookup_ngram", 3) if ngram is None else ngram) if adaptive else 0
-        self.lookup_rates = DraftLengthController(self.block_size - 1) if self.lookup_ngram else None
-        self.round_from_lookup = False
-        self.stats = drafter.last_stats = DFlashStats(self.block_size)
+        lookup_ngram = getattr(drafter, "prompt_lookup_ngram", 3) if ngram is None else ngram
+        self.controller = RoundController(self.block_size, adaptive, lookup_ngram, DFlashStats(self.block_size))
+        drafter.last_stats = self.controller.stats
         # Time the head's matmul forms now (once per process), not inside a round whose cost the controller measures.
-        sizes = self.controller.candidates if self.controller is not None else [self.block_size - 1]
-        for num_drafts in sizes:  # k = 0: a shadow draft judges one row
-            calibrate_head(self.lm_head, min(num_drafts + 1, self.block_size - 1))
+        for num_rows in self.controller.head_rows():
+            calibrate_head(self.draft_head.lm_head, num_rows)
 
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False, **kwargs):
-        """``input_ids [1, n]`` -> ``([1, n + k], None)`` with ``k <= B - 1`` drafts; round 1 proposes nothing."""
-        now = time.perf_counter()
-        if self.controller is not None and self.round_proposed is not None and self.round_is_typical:
-            self.controller.record_cost(self.round_proposed, now - self.round_started)
-        self.round_started = now
+        """One round: feed context -> choose size -> draft -> trim.
+
+        ``input_ids [1, n]`` -> ``([1, n + k], draft log q [1, k, V] or None)`` with ``k <= B - 1`` proposals; the
+        first call (the target's prefill) proposes nothing.
+        """
+        self.controller.start_round()
         if is_first_iteration:
             return input_ids, None
-        self._collect_context(input_ids, model_outputs)
-        anchor = input_ids.shape[1] - 1
-        self.verified_from = anchor
-        wanted = self.controller.choose() if self.controller is not None else self.block_size - 1
-        shadow = self.controller is not None and self.controller.shadow
+        self.feed_context(input_ids, model_outputs)
         # Never propose past max_length: the target's own token after the drafts must fit too.
-        room = max(self.max_length - input_ids.shape[1] - 1, 0)
-        num_drafts = min(wanted, room)
-        self.round_drafts = None
-        drafting = num_drafts > 0 or shadow
-        # Not what a round of this size costs: a shadow round (plain + a drafter forward), or one whose drafter
-        # forward reads more than a block of new context (the prompt, or what plain rounds left pending).
-        fed = sum(features.shape[1] for features in self.pending_context)
-        self.round_is_typical = not shadow and (not drafting or fed <= self.block_size)
-        self.round_draft_logits = None  # a lookup round has no draft distribution: transformers compares samples
-        lookup = self._prompt_lookup(input_ids, num_drafts, min(self.block_size - 1, room), shadow)
-        self.round_from_lookup = lookup is not None
-        if self.round_from_lookup:  # no drafter forward: its context stays pending, as in a plain round
-            proposals, self.round_is_typical = lookup, False
-        else:
-            proposals = self._draft(input_ids, num_drafts) if drafting else input_ids[:, :0]
-        proposals = self._stop_before_stop_strings(input_ids, proposals)
-        self.round_proposed = proposals.shape[1]
-        # With a draft distribution q, transformers' loop runs rejection sampling against it (accept u * q(d) < p(d),
-        # resample from norm(max(p - q, 0))); without one it samples the target and compares (a one-hot q).
-        draft_logits = self.round_draft_logits
-        if draft_logits is not None and self.round_proposed > 0:
-            draft_logits = draft_logits[:, : self.round_proposed]
-        else:
-            draft_logits = None
+        round = self.controller.choose(input_ids, room=max(self.max_length - input_ids.shape[1] - 1, 0))
+        proposals, draft_logits = self.draft(input_ids, round)
+        proposals, draft_logits = self.trim(input_ids, proposals, draft_logits)
+        round.proposed = proposals.shape[1]
         return torch.cat([input_ids, proposals], dim=-1), draft_logits
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        if self.round_proposed is not None:
-            self.stats.record(self.round_proposed, int(num_matches) + 1)
-            if self.round_from_lookup:
-                accepted = int(num_matches)
-                self.lookup_rates.record_acceptance(min(accepted + 1, self.round_proposed), accepted)
-            elif self.controller is not None and self.round_drafts is not None:
-                accepted = int(num_matches)
-                judged = min(accepted + 1, self.round_drafts.shape[1])
-                if accepted == self.round_proposed and judged > accepted:  # the target's own token judges draft k+1
-                    accepted += int(self.round_drafts[0, accepted] == input_ids[0, -1])
-                self.controller.record_acceptance(judged, accepted)
+        self.controller.record_verification(int(num_matches), input_ids[0, -1])
 
-    def _collect_context(self, input_ids, model_outputs) -> None:
+    def feed_context(self, input_ids, model_outputs) -> None:
         """Feed context: target features of positions ``[verified_from, n - 1)``, all committed, to the drafter."""
         committed = input_ids.shape[1] - 1
         features = extract_context_feature(model_outputs.hidden_states, self.layer_ids)
         self.pending_context.append(features[:, : committed - self.verified_from])
+        self.verified_from = committed
 
-    def _draft(self, input_ids, num_drafts) -> torch.LongTensor:
-        """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` -> ``[1, num_drafts]`` proposals (the drafter's
-        `propose`: argmax for DFlash, the path selector for DFlash2).
+    def draft(self, input_ids, round: DraftRound):
+        """Draft: the round's proposals ``[1, k]`` and their draft distribution (log q ``[1, k, V]``, or None): the
+        prompt-lookup continuation, the drafter's block, or nothing (plain decoding).
 
-        One more draft than proposed (when the block has it) is kept in ``round_drafts`` for the controller.
+        Without a draft distribution transformers' loop samples the target and compares (a one-hot q); with one it
+        runs rejection sampling against it (accept ``u * q(d) < p(d)``, resample from ``norm(max(p - q, 0))``).
         """
-        device = self.draft_device
+        if round.lookup is not None:  # no drafter forward: its context stays pending, as in a plain round
+            return round.lookup, None
+        if not round.runs_drafter:
+            return input_ids[:, :0], None
+        return self.draft_block(input_ids, round)
+
+    def draft_block(self, input_ids, round: DraftRound):
+        """The drafter's ``round.num_drafts`` proposals from one `DFlashDraftHead` call over ``[anchor, mask x (B-1)]``
+        and all pending context; a shadow round (0 proposals) still drafts, to judge draft 1.
+
+        One more draft than proposed (when the block has it) is kept in ``round.drafts`` for the controller.
+        """
+        device = self.draft_head.draft_device
         context = torch.cat(self.pending_context, dim=1).to(device)
         self.pending_context = []
         anchor = input_ids.shape[1] - 1
         position_ids = torch.arange(self.cache.get_seq_length(), anchor + self.block_size, device=device)[None]
         block_ids = torch.cat([input_ids[:, -1:], self.mask_ids], dim=-1)
-        noise = self.drafter.embed_block(self.embed_tokens, block_ids).to(device=device, dtype=self.draft_dtype)
-        with torch.no_grad():
-            hidden = self.drafter(
-                noise_embedding=noise,
-                target_hidden=context,
-                position_ids=position_ids,
-                past_key_values=self.cache,
-                use_cache=True,
-            ).last_hidden_state
-            # A 2-D [k + 1, H] input: a 3-D slice keeps the stride of the full block in its batch dimension, and
-            # torch.matmul then copies the whole transposed lm_head weight on every call (65 ms per round in bf16).
-            rows = hidden[0, 1 : 2 + num_drafts].to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype)
-            drafts, draft_logits = self.drafter.propose(self.lm_head, rows, input_ids[0, -1], self.temperature)
-        self.round_drafts = drafts[None].to(input_ids.device)
+        num_rows = min(round.num_drafts + 1, self.block_size - 1)
+        drafts, draft_logits = self.draft_head(block_ids, context, position_ids, self.cache, num_rows, self.temperature)
+        round.drafts, round.context_read = drafts.to(input_ids.device), context.shape[1]
         if draft_logits is not None:
-            self.round_draft_logits = draft_logits[None, :num_drafts]
-        return self.round_drafts[:, :num_drafts]
+            draft_logits = draft_logits[:, : round.num_drafts]
+        return round.drafts[:, : round.num_drafts], draft_logits
 
-    def _prompt_lookup(self, input_ids, num_drafts: int, budget: int, shadow: bool) -> torch.LongTensor | None:
-        """The prompt-lookup continuation when it is expected to commit more tokens per second than the drafter's
-        choice this round (``num_drafts`` drafts, 0 = plain decoding), else None; at most ``budget`` tokens (the block
-        and max_length allow).
-
-        Answers repeat the prompt's identifiers and phrases, which a drafter of a small target often misses. Both
-        sources are judged by the same estimator (`DraftLengthController`): expected committed tokens over the
-        measured cost of verifying that many tokens (a lookup round skips the drafter forward, so the estimate is
-        conservative for it). Shadow rounds stay with the drafter: they exist to judge it.
-        """
-        if self.lookup_rates is None or shadow or 0 not in self.controller.cost:  # costs not measured yet
-            return None
-        continuation = prompt_lookup(input_ids[0], self.lookup_ngram, budget)
-        if continuation is None:
-            return None
-        controller, found = self.controller, continuation.shape[0]
-        lookup_rate = self.lookup_rates.expected_tokens(found) / controller.estimated_cost(found)
-        drafter_rate = controller.expected_tokens(num_drafts) / controller.estimated_cost(num_drafts)
-        return continuation[None] if lookup_rate > drafter_rate else None
+    def trim(self, input_ids, proposals, draft_logits):
+        """Trim: keep the proposals short of the first one that completes a stop string, and the draft distribution
+        (if any) to the proposals kept (None when none is)."""
+        proposals = self._stop_before_stop_strings(input_ids, proposals)
+        if draft_logits is None or proposals.shape[1] == 0:
+            return proposals, None
+        return proposals, draft_logits[:, : proposals.shape[1]]
 
     def _stop_before_stop_strings(self, input_ids, proposals):
         """Keep drafts short of the first one that completes a stop string.
@@ -715,10 +806,13 @@ def install_dflash_dispatch() -> None:
 
 __all__ = [
     "DFlashCandidateGenerator",
+    "DFlashDraftHead",
     "DFlashDrafterMixin",
     "as_dflash_drafter",
     "DFlashStats",
     "DraftLengthController",
+    "DraftRound",
+    "RoundController",
     "check_drafter_fits_target",
     "draft_settings",
     "extract_context_feature",

@@ -12,6 +12,8 @@ import logging
 from .configuration_dflash import DFlashConfig, build_target_layer_ids
 from .generation_dflash import (
     DFlashCandidateGenerator,
+    DFlashDraftHead,
+    RoundController,
     as_dflash_drafter,
     DFlashStats,
     DraftLengthController,
@@ -40,11 +42,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DFlashCandidateGenerator",
+    "DFlashDraftHead",
     "DFlash2DraftModel",
     "DFlashConfig",
     "DFlashDraftModel",
     "DFlashStats",
     "DraftLengthController",
+    "RoundController",
     "as_dflash_drafter",
     "build_target_layer_ids",
     "check_drafter_fits_target",

@@ -8,7 +8,7 @@ proposed/committed lengths and the time spent in each round phase:
 
 * **verify**: target forwards after the prefill (forward pre/post hooks on the target);
 * **draft**: drafter forwards plus the target ``lm_head`` called outside a target forward (for dflash-hf's
-  generator: its whole ``_draft``, head included);
+  generator: its `DFlashDraftHead` calls, head included, seen by forward hooks; they are counted too);
 * **context**: the rest of the candidate generator's ``get_candidates`` (feeding target features, lookups);
 * **glue**: the rest of the decode window (acceptance, cache crops, stopping criteria, streamer).
 
@@ -39,17 +39,27 @@ VERIFY_KS = (1, 2, 4, 8, 16)
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class ReferenceHead(nn.Module):
+    """The oracle's draft head: the ``num_drafts`` tokens of ``reference [1, total]`` from position ``start`` on."""
+
+    def __init__(self, reference: torch.LongTensor):
+        super().__init__()
+        self.reference = reference
+
+    def forward(self, start: int, num_drafts: int) -> torch.LongTensor:
+        return self.reference[:, start : start + num_drafts]
+
+
 class OracleCandidateGenerator(DFlashCandidateGenerator):
     """Proposes the true continuation instead of running the drafter: tau = B, cost = verify + overhead."""
 
     def __init__(self, *args, reference: torch.LongTensor, **kwargs):
         super().__init__(*args, **kwargs)
-        self.reference = reference
+        self.draft_head = ReferenceHead(reference)  # a module call, so the profiler's draft hooks see it as ours
 
-    def _draft(self, input_ids, num_drafts) -> torch.LongTensor:
+    def draft_block(self, input_ids, round):
         self.pending_context = []  # the features are collected as usual, but nothing consumes them
-        start = input_ids.shape[1]
-        return self.reference[:, start : start + num_drafts].to(input_ids.device)
+        return self.draft_head(input_ids.shape[1], round.num_drafts).to(input_ids.device), None
 
 
 class OracleDrafter(DFlashDrafterMixin, nn.Module):
@@ -161,16 +171,19 @@ class RunTrace:
 
     forwards: list[float] = field(default_factory=list)  # target forward durations; [0] is the prefill
     draft_s: float = 0.0
+    draft_calls: int = 0  # dflash-hf's draft-head calls (one per round that ran the drafter)
     candidates_s: float = 0.0
     proposed: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
 
 
 class PhaseProfiler:
-    """Hooks on the target (forward, ``lm_head``) and the drafter, and wrappers on the candidate generator.
+    """Hooks on the target (forward, ``lm_head``), the drafter and dflash-hf's draft head, and wrappers on the
+    candidate generator's public round calls.
 
     Installed once for a whole benchmark so that every method pays the same (microsecond) hook cost. The
-    candidate generator is reached through an instance attribute shadowing ``target._get_candidate_generator``.
+    candidate generator is reached through an instance attribute shadowing ``target._get_candidate_generator``;
+    each dflash-hf generator's `DFlashDraftHead` (``generator.draft_head``) gets the draft hooks when it is built.
     """
 
     def __init__(self, target, drafter=None):
@@ -201,7 +214,7 @@ class PhaseProfiler:
         self._in_verify = False
 
     def _draft_start(self):
-        if not self._in_verify:  # nested draft scopes (the drafter inside `_draft`) count once, outermost
+        if not self._in_verify:  # nested draft scopes (the drafter inside the draft head) count once, outermost
             if self._draft_depth == 0:
                 self._draft_t0 = time.perf_counter()
             self._draft_depth += 1
@@ -232,18 +245,15 @@ class PhaseProfiler:
             return update(input_ids, scores, num_matches)
 
         generator.get_candidates, generator.update_candidate_strategy = timed_get_candidates, recorded_update
-        if hasattr(generator, "_draft"):  # dflash-hf's generator may call the head's weight directly: time it whole
-            draft = generator._draft
-
-            def timed_draft(*args, **kwargs):
-                self._draft_start()
-                try:
-                    return draft(*args, **kwargs)
-                finally:
-                    self._draft_end()
-
-            generator._draft = timed_draft
+        head = getattr(generator, "draft_head", None)
+        if head is not None:  # dflash-hf's head may multiply by the lm_head weight directly: time the head call whole
+            head.register_forward_pre_hook(lambda *_: self._draft_start())
+            head.register_forward_hook(lambda *_: self._draft_called())
         return generator
+
+    def _draft_called(self):
+        self.trace.draft_calls += 1
+        self._draft_end()
 
     def reset(self) -> RunTrace:
         self.trace, self._draft_depth, self._in_verify = RunTrace(), 0, False
@@ -287,6 +297,7 @@ def run_once(target, method: Method, input_ids, max_new_tokens: int, profiler: P
         "decode_tokens": new_tokens - streamer.first_tokens,
         "decode_tok_s": (new_tokens - streamer.first_tokens) / decode_s if decode_s > 0 else 0.0,
         "target_forwards": len(trace.forwards),
+        "draft_forwards": trace.draft_calls,
         "proposed_lengths": trace.proposed if not greedy_like else [0] * len(committed),
         "acceptance_lengths": committed,
         "phases_s": {

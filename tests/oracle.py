@@ -18,14 +18,15 @@ class PinnedGenerator(DFlashCandidateGenerator):
         self.continuation, self.cuts, self.vocab_size = continuation, cuts, vocab_size
         self.real_proposals: list[torch.Tensor] = []
 
-    def _draft(self, input_ids, num_drafts):
-        self.real_proposals.append(super()._draft(input_ids, num_drafts))
+    def draft_block(self, input_ids, round):
+        real, draft_logits = super().draft_block(input_ids, round)
+        self.real_proposals.append(real)
         start = input_ids.shape[1]
-        pinned = self.continuation[:, start : start + num_drafts].clone()
+        pinned = self.continuation[:, start : start + round.num_drafts].clone()
         cut = self.cuts(len(self.real_proposals) - 1, pinned.shape[1])
         if cut < pinned.shape[1]:
             pinned[:, cut] = (pinned[:, cut] + 1) % self.vocab_size
-        return pinned
+        return pinned, draft_logits
 
 
 def pin(drafter, continuation, cuts=lambda round_index, n: n):

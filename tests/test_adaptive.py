@@ -196,7 +196,8 @@ def test_lookup_rounds_are_lossless_and_commit_repeated_text(target):
 
         def record(self, *args, **kwargs):
             out = original(self, *args, **kwargs)
-            sources.append(self.round_from_lookup)
+            round = self.controller.current  # None for the prefill
+            sources.append(round is not None and round.lookup is not None)
             return out
 
         DFlashCandidateGenerator.get_candidates = record
@@ -213,14 +214,14 @@ def test_prompt_lookup_off_and_fixed_blocks_never_look_up(target):
     drafter = tiny_drafter(target, block_size=8, adaptive=True)
     drafter.prompt_lookup_ngram = 0
     generator = drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {})
-    assert generator.lookup_rates is None
+    assert generator.controller.lookup_rates is None
     drafter.prompt_lookup_ngram = 3
     per_call = copy.deepcopy(target.generation_config)
     per_call.max_matching_ngram_size = 0  # generate(max_matching_ngram_size=0)
-    assert drafter.make_candidate_generator(target, per_call, random_prompt(0), {}).lookup_rates is None
+    assert drafter.make_candidate_generator(target, per_call, random_prompt(0), {}).controller.lookup_rates is None
     ids = random_prompt(1)
     plain = target.generate(ids, max_new_tokens=30, do_sample=False)
     out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, max_matching_ngram_size=0)
     assert torch.equal(out, plain)
     drafter = tiny_drafter(target, block_size=8, adaptive=False)
-    assert drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {}).lookup_rates is None
+    assert drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {}).controller.lookup_rates is None

@@ -115,6 +115,31 @@ def test_recorded_rounds_match_the_generator_stats(models):
     assert "_get_candidate_generator" not in vars(target)  # the profiler leaves the target as it found it
 
 
+def test_draft_head_is_one_hooked_call_per_drafted_round_and_the_bench_counts_it(models, monkeypatch):
+    """Every round that runs the drafter makes one `DFlashDraftHead` call that module hooks see (here a global
+    forward hook, as a profiler installs); the bench counts draft forwards with its own hook on that module."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from dflash_hf import DFlashDraftHead
+
+    target, drafter = models
+    rows = []
+    handle = register_module_forward_hook(
+        lambda module, args, output: rows.append(output[0].shape[1]) if isinstance(module, DFlashDraftHead) else None
+    )
+    try:
+        record = profiled_dflash_run(target, drafter)
+    finally:
+        handle.remove()
+    drafted = [k for k in drafter.last_stats.proposed_lengths if k > 0]  # fixed blocks: no shadow or lookup rounds
+    assert len(drafted) > 1 and record["draft_forwards"] == len(rows) == len(drafted)
+    assert rows == [min(k + 1, BLOCK - 1) for k in drafted]  # one draft more than proposed, where the block has it
+
+    monkeypatch.setattr(DFlashDraftHead, "__call__", DFlashDraftHead.forward)  # the same drafts, but no hooks run
+    record = profiled_dflash_run(target, drafter)
+    assert record["draft_forwards"] == 0 and drafter.last_stats.proposed_lengths[0] > 0
+
+
 def test_sampling_runs_without_oracle(models):
     target, drafter = models
     result = run_suite(target, prompts()[:1], drafter, methods=("greedy", "pld3", "dflash", "oracle"),
@@ -198,7 +223,8 @@ def test_divergence_margin_tells_a_near_tie_from_a_real_difference():
 
 
 def test_draft_phase_covers_the_whole_draft_including_the_head(models, monkeypatch):
-    """The drafter's own hooks nest inside `_draft`: the head's argmax after the drafter forward is draft time too."""
+    """The drafter's own hooks nest inside the draft head's: the head's argmax after the drafter forward is draft time
+    too."""
     import time
 
     from dflash_hf import generation_dflash

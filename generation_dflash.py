@@ -321,8 +321,8 @@ class DFlashDraftHead(nn.Module):
     """The draft head of one round: the drafter over ``[anchor, mask x (B-1)]`` and the target's ``lm_head`` on the
     block's rows -> drafts.
 
-    A module of its own, composing the drafter with the target's embedding and head (no weights of its own), so that
-    each round's draft is one call that module hooks (``register_forward_hook``) and profilers see, head included
+    A module of its own, composing the drafter with the target's embedding and head (no weights of its own), so
+    that each round's draft is one call that module hooks (``register_forward_hook``) and profilers see, head included
     (`head_argmax` may multiply by the head's weight without calling ``lm_head``).
     """
 
@@ -339,7 +339,11 @@ class DFlashDraftHead(nn.Module):
         drafter, weight = self.drafter, self.lm_head.weight
         noise = drafter.embed_block(self.embed_tokens, block_ids).to(device=self.draft_device, dtype=self.draft_dtype)
         hidden = drafter(
-            noise_embedding=noise, target_hidden=context, position_ids=position_ids, past_key_values=cache, use_cache=True
+            noise_embedding=noise,
+            target_hidden=context,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
         ).last_hidden_state
         # A 2-D [M, H] input: a 3-D slice keeps the stride of the full block in its batch dimension, and
         # torch.matmul then copies the whole transposed lm_head weight on every call (65 ms per round in bf16).

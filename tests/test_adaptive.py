@@ -224,4 +224,5 @@ def test_prompt_lookup_off_and_fixed_blocks_never_look_up(target):
     out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter, max_matching_ngram_size=0)
     assert torch.equal(out, plain)
     drafter = tiny_drafter(target, block_size=8, adaptive=False)
-    assert drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {}).controller.lookup_rates is None
+    generator = drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {})
+    assert generator.controller.lookup_rates is None

@@ -656,14 +656,20 @@ class DFlashDrafterMixin:
         ``temperature < 1e-5`` is greedy; otherwise plain temperature sampling (no top-k/top-p), as the reference.
         Generation ends after the first token in ``stop_token_ids`` (inclusive).
         """
-        sampling = temperature >= 1e-5
-        options = dict(max_new_tokens=max_new_tokens, do_sample=sampling, assistant_model=self)
-        if sampling:
-            options.update(temperature=temperature, top_k=0, top_p=1.0)
+        options = dict(max_new_tokens=max_new_tokens, assistant_model=self)
+        options |= sampling_options(temperature if temperature >= 1e-5 else 0.0)
         if stop_token_ids is not None:
             options["eos_token_id"] = list(stop_token_ids)
             options.setdefault("pad_token_id", list(stop_token_ids)[0])
         return target.generate(input_ids, **(options | kwargs))
+
+
+def sampling_options(temperature: float) -> dict:
+    """``generate`` options for ``temperature``: greedy at 0, otherwise plain temperature sampling (no top-k / top-p,
+    as z-lab's reference samples) -- the one place this project turns a temperature into sampling settings."""
+    if temperature <= 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
 
 
 def is_dflash_drafter(model) -> bool:
@@ -822,4 +828,5 @@ __all__ = [
     "extract_context_feature",
     "head_argmax",
     "install_dflash_dispatch",
+    "sampling_options",
 ]

@@ -19,7 +19,7 @@ import warnings
 from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 from .errors import AssetMissingError, DFlashUserError
 from .files import finish_modes, new_tmp_sibling, replace_folder, write_file
@@ -256,31 +256,41 @@ def prepare_default_target(
 # --------------------------------------------------------------------------------------------------------------
 
 
+def json_lines(path: str | os.PathLike) -> Iterator[tuple[int, object, str | None]]:
+    """``(line number, value, None)`` for each JSON line of ``path`` (``.gz`` too), ``(line number, None, reason)``
+    for a line that is not JSON; blank lines are skipped. The one reader of this project's JSON-lines files
+    (datasets, prompt files)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value, error = json.loads(line), None
+            except json.JSONDecodeError as err:
+                value, error = None, err.msg
+            yield lineno, value, error
+
+
 def read_jsonl(path: str | os.PathLike, required_keys: Iterable[str] = ()) -> list[dict]:
     """Read a JSON-lines file (``.gz`` too) into a list of objects.
 
     Blank lines are ignored. A line that is not a JSON object, or lacks one of ``required_keys``, is reported with
     ``warnings.warn`` as ``<path>:<line>: ...`` and skipped.
     """
-    path = Path(path)
     required = tuple(required_keys)
-    opener = gzip.open if path.suffix == ".gz" else open
     records = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                warnings.warn(f"{path}:{lineno}: skipping malformed JSON line ({err})", stacklevel=2)
-                continue
-            missing = [k for k in required if k not in record] if isinstance(record, dict) else None
-            if missing is None or missing:
-                what = "not a JSON object" if missing is None else f"missing {', '.join(missing)}"
-                warnings.warn(f"{path}:{lineno}: skipping line ({what})", stacklevel=2)
-                continue
-            records.append(record)
+    for lineno, record, error in json_lines(path):
+        if error is not None:
+            warnings.warn(f"{path}:{lineno}: skipping malformed JSON line ({error})", stacklevel=2)
+            continue
+        missing = [k for k in required if k not in record] if isinstance(record, dict) else None
+        if missing is None or missing:
+            what = "not a JSON object" if missing is None else f"missing {', '.join(missing)}"
+            warnings.warn(f"{path}:{lineno}: skipping line ({what})", stacklevel=2)
+            continue
+        records.append(record)
     return records
 
 
@@ -403,17 +413,21 @@ def prepare_datasets(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def encode_chat(tokenizer, turns_or_text: str | list[str], chat: bool = True) -> dict:
+def encode_chat(tokenizer, turns_or_text: str | list[str], chat: bool = True,
+                chat_template_kwargs: dict | None = None) -> dict:
     """Token ids of the first turn: as a user message with the generation prompt (``chat=True``), or plain text.
 
-    Returns ``{"input_ids", "attention_mask"}`` as ``(1, n)`` tensors. Raises ``ValueError`` on an empty prompt.
+    The one prompt encoder of the project (generate, bench, distill, eval). ``chat_template_kwargs`` go to
+    ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``). Returns ``{"input_ids", "attention_mask"}`` as
+    ``(1, n)`` tensors. Raises ``ValueError`` on an empty prompt.
     """
     text = turns_or_text if isinstance(turns_or_text, str) else (turns_or_text[0] if turns_or_text else "")
     if not text.strip():
         raise ValueError("empty prompt")
     if chat:
         enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True,
+            **(chat_template_kwargs or {}),
         )
     else:
         enc = tokenizer(text, return_tensors="pt")

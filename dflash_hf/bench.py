@@ -27,7 +27,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterMixin
+from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterMixin, sampling_options
 
 # dflash_nolookup: dflash without prompt lookup next to the drafter (the drafter alone, adaptive block size)
 ALL_METHODS = ("greedy", "pld3", "pld10", "dflash", "dflash_nolookup", "dflash_builtin", "oracle")
@@ -133,13 +133,6 @@ def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0, blo
         else:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
     return methods
-
-
-def sampling_kwargs(temperature: float) -> dict:
-    """Greedy at ``temperature == 0``; otherwise plain temperature sampling (no top-k / top-p)."""
-    if temperature <= 0:
-        return {"do_sample": False}
-    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,7 +270,7 @@ def run_once(target, method: Method, input_ids, max_new_tokens: int, profiler: P
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
             streamer=streamer,
-            **sampling_kwargs(temperature),
+            **sampling_options(temperature),
             **method.generate_kwargs,
         )
     total = time.perf_counter() - t0

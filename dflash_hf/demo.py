@@ -14,6 +14,7 @@ from transformers import TextStreamer
 
 from .assets import encode_chat
 from .bench import divergence_margin, first_difference, float32_twin
+from .generation_dflash import sampling_options
 from .loading import load_drafter, load_target, resolve_dtype
 
 
@@ -35,7 +36,7 @@ def run_generate(args) -> None:
               "running plain generation.")
     inputs = encode_chat(tokenizer, args.prompt, chat=args.chat)
     options = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id)
-    options |= dict(do_sample=True, temperature=args.temperature) if args.temperature > 0 else dict(do_sample=False)
+    options |= sampling_options(args.temperature)
     print(f"prompt: {args.prompt}\n")
 
     if args.compare and drafter is not None:  # warm-up: first calls pay for kernel selection and allocations

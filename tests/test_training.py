@@ -1,5 +1,6 @@
 """Training: block pictures and the two PR #473 pitfalls, labels, over-fit gate, distill/train resume, DDP, eval."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -451,3 +452,57 @@ def test_training_with_a_vocab_subset(work, tmp_path):
     assert summary["step"] == 3 and summary["blocks"] > 0
     counts = ShardDataset(work / "data").frequent_response_tokens(40)
     assert len(counts[0]) == 40 and 0 < counts[1] <= 1
+
+
+# ------------------------------------------------------------------------------------ typed configs, library
+def test_train_all_is_a_library_function_the_command_line_wraps(monkeypatch, tmp_path):
+    """`train_all` turns one `TrainAllConfig` into the distill and train configs (budget split, data and run folders,
+    resume); ``dflash-hf train-all`` only parses its flags into that config."""
+    from dflash_hf.training import GenerationOptions, TrainAllConfig, TrainOptions, pipeline, train_all
+
+    calls = {}
+    monkeypatch.setattr(pipeline, "distill", lambda config: calls.setdefault("distill", config))
+    monkeypatch.setattr(pipeline, "train", lambda config: calls.setdefault("train", config) and {"final": "x"})
+    config = TrainAllConfig(target="t", prompts=["p.jsonl"], out=str(tmp_path), budget=100, seed=3, device="cpu",
+                            generation=GenerationOptions(batch_size=5, temperature=0.5),
+                            training=TrainOptions(mask_token_id=MASK, batch_size=2, target_layer_ids=[0, 2]))
+    train_all(config)
+    distill, train = calls["distill"], calls["train"]
+    assert (distill.out, distill.batch_size, distill.temperature, distill.seed) == (str(tmp_path / "data"), 5, 0.5, 3)
+    assert distill.time_budget == 30 and distill.target_layer_ids == [0, 2] and distill.dtype == "float32"
+    assert (train.data, train.output_dir, train.resume) == (str(tmp_path / "data"), str(tmp_path / "train"), "auto")
+    assert train.batch_size == 2 and train.mask_token_id == MASK and 90 < train.time_budget <= 95  # 95% of what is left
+
+    wrapped = {}
+    monkeypatch.setattr(pipeline, "train_all", lambda config: wrapped.setdefault("config", config) and {})
+    main(["train-all", "--target", "t", "--prompts", "p.jsonl", "--out", str(tmp_path), "--budget", "100",
+          "--seed", "3", "--device", "cpu", "--distill-batch-size", "5", "--temperature", "0.5",
+          "--mask-token-id", str(MASK), "--batch-size", "2", "--target-layer-ids", LAYERS])
+    parsed = wrapped["config"]
+    assert parsed.generation == config.generation and parsed.prompts == config.prompts and parsed.budget == 100
+    assert parsed.training == dataclasses.replace(config.training, final_max_shard_size="15MB")
+
+
+def test_eval_honours_seed(work, tmp_path, monkeypatch):
+    from dflash_hf.training import evaluate as evaluation
+    from conftest import save_chat_drafter
+
+    draft = save_chat_drafter(tmp_path / "draft", work / "target")
+    seeds = []
+    real_acceptance = evaluation.acceptance
+
+    def acceptance(*args, **kwargs):
+        seeds.append(torch.initial_seed())
+        return real_acceptance(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "acceptance", acceptance)
+    for seed in ("5", "6"):
+        main(["eval", "--target", str(work / "target"), "--draft", str(draft), "--prompts", str(work / "prompts.jsonl"),
+              "--limit", "1", "--block-sizes", "2", "--max-new-tokens", "4", "--seed", seed])
+    assert seeds == [5, 6]
+
+
+def test_bad_chat_template_kwargs_name_the_flag(work, tmp_path):
+    with pytest.raises(ValueError, match="--chat-template-kwargs is not valid JSON"):
+        main(["distill", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--out",
+              str(tmp_path), "--chat-template-kwargs", "{enable_thinking: false}"])

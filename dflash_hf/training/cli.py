@@ -1,15 +1,25 @@
-"""Argument parsers for ``dflash-hf distill | train | eval | train-all``; each sets ``func`` to its runner.
+"""Argument parsers for ``dflash-hf distill | features | train | eval | train-all``; each sets ``func`` to its runner,
+which builds the stage's typed config from the flags and calls the library function.
 
 `dflash_hf.cli` registers them as subcommands of ``dflash-hf``.
 """
 
-import argparse
 import json
 import logging
-import time
-from pathlib import Path
 
 from ..arguments import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT
+from ..loading import DTYPES
+from .config import (
+    DistillConfig,
+    EvalConfig,
+    FeaturesConfig,
+    GenerationOptions,
+    TrainAllConfig,
+    TrainConfig,
+    TrainOptions,
+    from_args,
+    json_object,
+)
 
 
 def _int_list(text: str) -> list[int]:
@@ -48,7 +58,7 @@ def add_distill_parser(subparsers):
     p.add_argument("--prompts", nargs="+", required=True, help="JSONL/JSON prompt files (turns/ShareGPT/prompt)")
     p.add_argument("--out", required=True, help="output folder of shard-*.safetensors + manifest.json")
     p.add_argument("--limit", type=COUNT, default=None, help="use at most this many prompts")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="target dtype")
     p.add_argument("--target-layer-ids", type=_int_list, default=None,
                    help="feature layers, e.g. '1,8,14,20,27' (default: build_target_layer_ids)")
     p.add_argument("--time-budget", type=NON_NEGATIVE, default=None, help="seconds; no new shard starts after this")
@@ -64,7 +74,7 @@ def add_features_parser(subparsers):
     _add_common(p)
     p.add_argument("--data", required=True, help="folder of token-only shard-*.safetensors")
     p.add_argument("--out", required=True, help="output folder for the shards with features")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="target dtype")
     p.add_argument("--batch-size", type=COUNT, default=8, help="sequences per teacher-forced forward")
     p.add_argument("--target-layer-ids", type=_int_list, default=None,
                    help="feature layers (default: the shards' ids, else build_target_layer_ids)")
@@ -118,7 +128,7 @@ def _add_train_options(p):
     g.add_argument("--epochs", type=COUNT, default=6, help="passes over the data (ignored with --max-steps)")
     g.add_argument("--max-steps", type=COUNT, default=None, help="optimizer steps; sets the schedule length")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter and lm_head")
-    g.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    g.add_argument("--target-dtype", default="float32", choices=list(DTYPES),
                    help="dtype the frozen target is loaded in")
     g = p.add_argument_group("run control")
     g.add_argument("--time-budget", type=NON_NEGATIVE, default=None,
@@ -126,9 +136,10 @@ def _add_train_options(p):
     g.add_argument("--stop-after", type=COUNT, default=None,
                    help="stop (with a checkpoint) after this step without changing the schedule")
     g.add_argument("--log-every", type=COUNT, default=10, help="steps per log.jsonl line / progress update")
-    g.add_argument("--save-every", type=NON_NEGATIVE_INT, default=1000, help="steps between checkpoints (0 = only at the end)")
+    g.add_argument("--save-every", type=NON_NEGATIVE_INT, default=1000,
+                   help="steps between checkpoints (0 = only at the end)")
     g.add_argument("--keep-checkpoints", type=NON_NEGATIVE_INT, default=3, help="newest checkpoints kept (0 = all)")
-    g.add_argument("--final-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+    g.add_argument("--final-dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of OUT/final (published drafters are bf16)")
     g.add_argument("--final-max-shard-size", default=None, help="e.g. 15MB: split OUT/final into shards")
 
@@ -159,8 +170,8 @@ def add_eval_parser(subparsers):
     p.add_argument("--limit", type=COUNT, default=20, help="prompts (or distilled sequences) to evaluate")
     p.add_argument("--block-sizes", type=_int_list, default=[4, 8, 16], help="e.g. '4,8,16'")
     p.add_argument("--max-new-tokens", type=COUNT, default=128)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype")
-    p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="target dtype")
+    p.add_argument("--draft-dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--chat-template-kwargs", default=None, help="JSON passed to apply_chat_template")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run_eval)
@@ -186,6 +197,7 @@ def add_train_all_parser(subparsers):
 
 
 # ------------------------------------------------------------------------------------------------------ runners
+# Each runner turns the parsed flags into the stage's typed config (`dflash_hf.training.config`) and calls the library.
 def _prepare(args):
     import torch
 
@@ -198,7 +210,8 @@ def run_distill(args):
     from .distill import distill
 
     _prepare(args)
-    summary = distill(args)
+    config = from_args(DistillConfig, args, chat_template_kwargs=json_object(args.chat_template_kwargs))
+    summary = distill(config)
     print(json.dumps({k: v for k, v in summary.items() if k != "problems"} | {"skipped_lines": summary["problems"]}))
     return summary
 
@@ -207,7 +220,7 @@ def run_features(args):
     from .distill import add_features
 
     _prepare(args)
-    summary = add_features(args)
+    summary = add_features(from_args(FeaturesConfig, args))
     print(json.dumps(summary))
     return summary
 
@@ -216,7 +229,7 @@ def run_train(args):
     from .trainer import train
 
     _prepare(args)
-    summary = train(args)
+    summary = train(from_args(TrainConfig, args))
     print(json.dumps(summary))
     return summary
 
@@ -225,46 +238,17 @@ def run_eval(args):
     from .evaluate import evaluate
 
     _prepare(args)
-    return evaluate(args)
+    return evaluate(from_args(EvalConfig, args, chat_template_kwargs=json_object(args.chat_template_kwargs)))
 
 
 def run_train_all(args):
-    import torch
-
-    from .distill import distill
-    from .trainer import train
+    from .pipeline import train_all
 
     _prepare(args)
-    start = time.monotonic()
-    out = Path(args.out)
-    on_gpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    distill_args = argparse.Namespace(
-        target=args.target, device=args.device, seed=args.seed, quiet=args.quiet, prompts=args.prompts,
-        out=str(out / "data"), limit=args.limit, dtype="bfloat16" if on_gpu else args.target_dtype,
-        target_layer_ids=args.target_layer_ids, time_budget=args.budget * args.distill_fraction,
-        batch_size=args.distill_batch_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        max_prompt_length=args.max_prompt_length, shard_size=args.shard_size, no_features=args.no_features,
-        num_features=args.num_features, chat_template_kwargs=args.chat_template_kwargs,
-    )
-    distill(distill_args)
-    train_args = argparse.Namespace(**vars(args))
-    train_args.data = str(out / "data")
-    train_args.output_dir = str(out / "train")
-    train_args.resume = "auto"
-    train_args.bf16 = args.bf16 or on_gpu
-    remaining = args.budget - (time.monotonic() - start)
-    train_args.time_budget = max(1.0, remaining * 0.95)  # leave room for the final save
-    for key in ("func", "prompts", "out", "budget", "distill_fraction", "limit", "eval_prompts"):
-        delattr(train_args, key)
-    summary = train(train_args)
-    if args.eval_prompts:
-        from .evaluate import evaluate
-
-        evaluate(argparse.Namespace(target=args.target, device=args.device, seed=args.seed, quiet=args.quiet,
-                                    draft=summary["final"], prompts=args.eval_prompts, limit=20,
-                                    block_sizes=[4, 8, 16], max_new_tokens=128, dtype=args.target_dtype,
-                                    draft_dtype="float32", chat_template_kwargs=args.chat_template_kwargs,
-                                    output=str(out / "eval.json")))
+    generation = from_args(GenerationOptions, args, batch_size=args.distill_batch_size,
+                           chat_template_kwargs=json_object(args.chat_template_kwargs))
+    summary = train_all(from_args(TrainAllConfig, args, generation=generation,
+                                  training=from_args(TrainOptions, args)))
     print(json.dumps(summary))
     return summary
 

@@ -1,6 +1,7 @@
 """Prompts in, distilled shards out, and the training dataset that reads them back.
 
-Prompt files (JSONL, one object per line; malformed lines are reported as ``file:line`` and skipped):
+Prompt files (JSONL, one object per line, ``.gz`` too, read by `dflash_hf.assets.json_lines`; malformed lines are
+reported as ``file:line`` and skipped):
 
 * ``{"id": ..., "turns": ["user turn 1", ...]}`` (MT-Bench style),
 * ShareGPT-like ``{"id": ..., "conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}`` (also
@@ -30,6 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..assets import json_lines
 from ..atomic import atomic_path
 
 logger = logging.getLogger(__name__)
@@ -69,18 +71,16 @@ def read_prompts(paths, limit: int | None = None) -> tuple[list[Prompt], list[st
     prompts, problems = [], []
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
         path = Path(path)
-        with path.open(encoding="utf-8") as handle:
-            if path.suffix == ".json":
+        if path.suffix == ".json":
+            with path.open(encoding="utf-8") as handle:
                 records = [(i + 1, r) for i, r in enumerate(json.load(handle))]
-            else:
-                records = []
-                for number, line in enumerate(handle, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        records.append((number, json.loads(line)))
-                    except json.JSONDecodeError as error:
-                        problems.append(f"{path}:{number}: not JSON ({error.msg})")
+        else:
+            records = []
+            for number, record, error in json_lines(path):
+                if error is None:
+                    records.append((number, record))
+                else:
+                    problems.append(f"{path}:{number}: not JSON ({error})")
         for number, record in records:
             text = _first_user_turn(record) if isinstance(record, dict) else None
             if not text or not text.strip():

@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..assets import encode_chat
 from ..atomic import atomic_path
 from ..configuration_dflash import build_target_layer_ids
 from ..errors import DFlashUserError
-from ..generation_dflash import extract_context_feature
+from ..generation_dflash import extract_context_feature, sampling_options
 from ..loading import load_target
+from .config import DistillConfig, FeaturesConfig
 from .data import Prompt, read_prompts, shard_path, write_shard
 
 logger = logging.getLogger(__name__)
@@ -43,16 +45,10 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 def encode_prompt(tokenizer, text: str, chat_template_kwargs: dict | None = None) -> list[int]:
-    """The target's chat template around one user turn, with the generation prompt; plain text without a template."""
-    if tokenizer.chat_template:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}],
-            add_generation_prompt=True,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
-        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    return tokenizer(text)["input_ids"]
+    """`encode_chat` as a list of ids: the target's chat template around one user turn, with the generation prompt;
+    plain text for a tokenizer without a template."""
+    chat = bool(tokenizer.chat_template)
+    return encode_chat(tokenizer, text, chat=chat, chat_template_kwargs=chat_template_kwargs)["input_ids"][0].tolist()
 
 
 @torch.no_grad()
@@ -66,10 +62,8 @@ def generate_responses(model, tokenizer, prompt_ids: list[list[int]], max_new_to
     for i, ids in enumerate(prompt_ids):
         input_ids[i, width - len(ids):] = torch.tensor(ids)
         attention_mask[i, width - len(ids):] = 1
-    sampling = temperature > 0
-    options = dict(max_new_tokens=max_new_tokens, do_sample=sampling, pad_token_id=pad_id, eos_token_id=eos or None)
-    if sampling:
-        options.update(temperature=temperature, top_k=0, top_p=1.0)
+    options = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos or None)
+    options |= sampling_options(temperature)
     out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **options)
     responses = []
     for row in out[:, width:].tolist():
@@ -103,62 +97,62 @@ def _write_manifest(out_dir: Path, info: dict) -> None:
         tmp.write_text(json.dumps({**info, "finished_shards": done}, indent=2))
 
 
-def distill(args) -> dict:
-    """Run distillation as configured by ``args`` (see `add_distill_parser`); returns a summary dict."""
-    torch.manual_seed(args.seed)
-    prompts, problems = read_prompts(args.prompts, limit=args.limit)
+def distill(config: DistillConfig) -> dict:
+    """Run distillation as ``config`` says (see `DistillConfig`, ``dflash-hf distill``); returns a summary dict."""
+    torch.manual_seed(config.seed)
+    prompts, problems = read_prompts(config.prompts, limit=config.limit)
     if not prompts:  # before loading the target: nothing to distill is an input error, not an empty success
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        sources = args.prompts if isinstance(args.prompts, (list, tuple)) else [args.prompts]
+        sources = config.prompts if isinstance(config.prompts, (list, tuple)) else [config.prompts]
         raise DFlashUserError(f"no usable prompt in {', '.join(map(str, sources))}: {shown or 'no lines'}")
-    out_dir = Path(args.out)
+    out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and world > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
 
     for problem in problems:
         logger.warning("skipped prompt line %s", problem)
-    model, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
-    layer_ids = args.target_layer_ids or default_layer_ids(model.config, args.num_features)
+    model, tokenizer = load_target(config.target, dtype=config.dtype, device=device)
+    layer_ids = config.target_layer_ids or default_layer_ids(model.config, config.num_features)
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    chat_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
 
     encoded: list[tuple[Prompt, list[int]]] = []
     for prompt in prompts:
-        ids = encode_prompt(tokenizer, prompt.text, chat_kwargs)
-        if args.max_prompt_length and len(ids) > args.max_prompt_length:
-            problems.append(f"prompt {prompt.id}: {len(ids)} tokens > --max-prompt-length {args.max_prompt_length}")
+        ids = encode_prompt(tokenizer, prompt.text, config.chat_template_kwargs)
+        if config.max_prompt_length and len(ids) > config.max_prompt_length:
+            limit = config.max_prompt_length
+            problems.append(f"prompt {prompt.id}: {len(ids)} tokens > --max-prompt-length {limit}")
             logger.warning("skipped prompt %s: too long (%d tokens)", prompt.id, len(ids))
             continue
         encoded.append((prompt, ids))
 
-    num_shards = (len(encoded) + args.shard_size - 1) // args.shard_size
+    num_shards = (len(encoded) + config.shard_size - 1) // config.shard_size
     mine = [s for s in range(num_shards) if s % world == rank]
     todo = [s for s in mine if not shard_path(out_dir, s).exists()]
-    info = dict(target=str(args.target), target_layer_ids=layer_ids, num_prompts=len(encoded), num_shards=num_shards,
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, dtype=args.dtype,
-                features=not args.no_features, skipped=problems)
+    info = dict(target=str(config.target), target_layer_ids=layer_ids, num_prompts=len(encoded),
+                num_shards=num_shards, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                dtype=config.dtype, features=not config.no_features, skipped=problems)
     logger.info("%d prompts, %d shards (%d already done), layer ids %s", len(encoded), num_shards,
                 len(mine) - len(todo), layer_ids)
     start, written, tokens = time.monotonic(), [], 0
-    bar = tqdm(total=sum(min(args.shard_size, len(encoded) - s * args.shard_size) for s in todo), unit="prompt",
-               desc="distill", disable=rank != 0 or args.quiet)
+    bar = tqdm(total=sum(min(config.shard_size, len(encoded) - s * config.shard_size) for s in todo), unit="prompt",
+               desc="distill", disable=rank != 0 or config.quiet)
     for shard in todo:
-        if args.time_budget and time.monotonic() - start > args.time_budget:
+        if config.time_budget and time.monotonic() - start > config.time_budget:
             logger.info("time budget reached; %d shards left for a rerun", len(todo) - len(written))
             break
-        chunk = encoded[shard * args.shard_size : (shard + 1) * args.shard_size]
+        chunk = encoded[shard * config.shard_size : (shard + 1) * config.shard_size]
         sequences = []
-        for b in range(0, len(chunk), args.batch_size):
-            batch = chunk[b : b + args.batch_size]
+        for b in range(0, len(chunk), config.batch_size):
+            batch = chunk[b : b + config.batch_size]
             prompt_ids = [ids for _, ids in batch]
-            responses = generate_responses(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature,
+            responses = generate_responses(model, tokenizer, prompt_ids, config.max_new_tokens, config.temperature,
                                            eos, pad_id)
             full = [p + r for p, r in zip(prompt_ids, responses)]
-            feats = None if args.no_features else teacher_forced_features(model, full, layer_ids, pad_id)
+            feats = None if config.no_features else teacher_forced_features(model, full, layer_ids, pad_id)
             for i, (p, r) in enumerate(zip(prompt_ids, responses)):
                 sequences.append({
                     "input_ids": torch.tensor(full[i]),
@@ -179,17 +173,18 @@ def distill(args) -> dict:
                 seconds=time.monotonic() - start)
 
 
-def add_features(args) -> dict:
+def add_features(config: FeaturesConfig) -> dict:
     """Token-only shards (``distill --no-features``) -> the same shards with the target's features stored.
 
-    Each shard of ``args.data`` is read, its sequences go through `teacher_forced_features` in batches of
-    ``args.batch_size`` (sorted by length, so padding stays small), and the shard is rewritten under ``args.out`` with
-    ``features`` added. Resumable like `distill` (an existing output shard is complete); with ``RANK``/``WORLD_SIZE``
-    process ``r`` takes shards ``r, r + W, ...``. Training from the result runs no target forward at all.
+    Each shard of ``config.data`` is read, its sequences go through `teacher_forced_features` in batches of
+    ``config.batch_size`` (sorted by length, so padding stays small), and the shard is rewritten under ``config.out``
+    with ``features`` added. Resumable like `distill` (an existing output shard is complete); with
+    ``RANK``/``WORLD_SIZE`` process ``r`` takes shards ``r, r + W, ...``. Training from the result runs no target
+    forward at all.
     """
     from safetensors import safe_open
 
-    src, out_dir = Path(args.data), Path(args.out)
+    src, out_dir = Path(config.data), Path(config.out)
     shards = sorted(src.glob("shard-*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"No shard-*.safetensors under {src}: run `dflash-hf distill --no-features` first.")
@@ -197,22 +192,22 @@ def add_features(args) -> dict:
         raise ValueError("--out must differ from --data: the token-only shards stay as they are.")
     out_dir.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    model, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device or "cpu")
+    model, tokenizer = load_target(config.target, dtype=config.dtype, device=config.device or "cpu")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start, tokens, written = time.monotonic(), 0, []
     todo = [p for i, p in enumerate(shards) if i % world == rank and not (out_dir / p.name).exists()]
-    for path in tqdm(todo, unit="shard", desc="features", disable=rank != 0 or args.quiet):
+    for path in tqdm(todo, unit="shard", desc="features", disable=rank != 0 or config.quiet):
         with safe_open(str(path), framework="pt") as handle:
             meta = handle.metadata() or {}
             input_ids, loss_mask = handle.get_tensor("input_ids"), handle.get_tensor("loss_mask")
             offsets = handle.get_tensor("offsets").tolist()
-        layer_ids = args.target_layer_ids or json.loads(meta.get("target_layer_ids") or "null") or \
-            default_layer_ids(model.config, args.num_features)
+        layer_ids = config.target_layer_ids or json.loads(meta.get("target_layer_ids") or "null") or \
+            default_layer_ids(model.config, config.num_features)
         sequences = [input_ids[a:b].long().tolist() for a, b in zip(offsets, offsets[1:])]
         features: list[torch.Tensor | None] = [None] * len(sequences)
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-        for b in range(0, len(order), args.batch_size):
-            chunk = order[b : b + args.batch_size]
+        for b in range(0, len(order), config.batch_size):
+            chunk = order[b : b + config.batch_size]
             for i, feats in zip(chunk, teacher_forced_features(model, [sequences[i] for i in chunk], layer_ids,
                                                                pad_id)):
                 features[i] = feats

@@ -1,9 +1,9 @@
 """``dflash-hf eval``: acceptance length tau of a drafter on held-out prompts, greedy, per block size.
 
 Each block size is a ``generate`` argument (``num_assistant_tokens=B - 1`` with the ``"constant"`` schedule: full
-blocks of B, see `draft_settings`), so one loaded drafter serves every size up to its own and is never changed. tau is the mean number of
-tokens committed per verify round, the target's bonus token included (``draft.last_stats``), pooled over all rounds
-of all prompts; the histogram counts rounds by committed tokens ``0..B``.
+blocks of B, see `draft_settings`), so one loaded drafter serves every size up to its own and is never changed. tau is
+the mean number of tokens committed per verify round, the target's bonus token included (``draft.last_stats``),
+pooled over all rounds of all prompts; the histogram counts rounds by committed tokens ``0..B``.
 """
 
 import json
@@ -15,9 +15,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..generation_dflash import DFlashStats
-from ..loading import load_target
+from ..loading import DTYPES, load_target
 from ..modeling_dflash import DFlashDraftModel
 from .blocks import block_labels_and_weights, build_block_inputs, build_block_mask, sample_anchors
+from .config import EvalConfig
 from .data import ShardDataset, collate, read_prompts
 from .distill import encode_prompt
 
@@ -75,8 +76,8 @@ def teacher_forced_tau(draft, embed_tokens, lm_head, samples: list[dict], block_
         anchors, keep = sample_anchors(batch["loss_mask"], block_size, num_anchors, generator)
         if anchors.shape[1] == 0:
             continue
-        noise_ids, position_ids = build_block_inputs(batch["input_ids"], anchors, block_size, draft.config.mask_token_id,
-                                                     keep)
+        noise_ids, position_ids = build_block_inputs(batch["input_ids"], anchors, block_size,
+                                                     draft.config.mask_token_id, keep)
         mask = build_block_mask(anchors, keep, batch["input_ids"].shape[1], block_size).to(device)
         hidden = draft(noise_embedding=embed_tokens(noise_ids), target_hidden=batch["features"].to(draft.dtype),
                        position_ids=position_ids, attention_mask=mask).last_hidden_state
@@ -93,50 +94,49 @@ def teacher_forced_tau(draft, embed_tokens, lm_head, samples: list[dict], block_
             "per_position_acceptance": (counts[1:] / max(blocks, 1)).tolist()}
 
 
-def evaluate(args) -> dict:
-    """Run ``dflash-hf eval`` as configured by ``args`` (see `add_eval_parser`); returns and optionally writes JSON."""
-    torch.manual_seed(0)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target, tokenizer = load_target(args.target, dtype=args.dtype, device=device)
-    draft = DFlashDraftModel.from_pretrained(args.draft, dtype=getattr(torch, args.draft_dtype)).to(device).eval()
-    if args.data:
-        return evaluate_teacher_forced(args, target, draft)
-    prompts, problems = read_prompts(args.prompts, limit=args.limit)
+def evaluate(config: EvalConfig) -> dict:
+    """Run ``dflash-hf eval`` as ``config`` says (see `EvalConfig`); returns and optionally writes JSON."""
+    torch.manual_seed(config.seed)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer = load_target(config.target, dtype=config.dtype, device=device)
+    draft = DFlashDraftModel.from_pretrained(config.draft, dtype=DTYPES[config.draft_dtype]).to(device).eval()
+    if config.data:
+        return evaluate_teacher_forced(config, target, draft)
+    prompts, problems = read_prompts(config.prompts, limit=config.limit)
     for problem in problems:
         logger.warning("skipped prompt line %s", problem)
-    chat_kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
-    prompt_ids = [encode_prompt(tokenizer, p.text, chat_kwargs) for p in prompts]
-    results = {"draft": str(args.draft), "target": str(args.target), "num_prompts": len(prompt_ids),
-               "max_new_tokens": args.max_new_tokens, "results": []}
-    for block_size in args.block_sizes:
-        result = acceptance(target, draft, prompt_ids, block_size, args.max_new_tokens, quiet=args.quiet)
+    prompt_ids = [encode_prompt(tokenizer, p.text, config.chat_template_kwargs) for p in prompts]
+    results = {"draft": str(config.draft), "target": str(config.target), "num_prompts": len(prompt_ids),
+               "max_new_tokens": config.max_new_tokens, "results": []}
+    for block_size in config.block_sizes:
+        result = acceptance(target, draft, prompt_ids, block_size, config.max_new_tokens, quiet=config.quiet)
         results["results"].append(result)
         print(f"B={block_size:>2}  tau={result['tau']:.3f}  rounds={result['rounds']}  "
               f"histogram={result['histogram']}  tok/s={result['tokens_per_s']:.1f}")
-    if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2))
+    if config.output:
+        Path(config.output).write_text(json.dumps(results, indent=2))
     return results
 
 
-def evaluate_teacher_forced(args, target, draft) -> dict:
+def evaluate_teacher_forced(config: EvalConfig, target, draft) -> dict:
     """``dflash-hf eval --data DIR``: `teacher_forced_tau` on distilled shards (features stored, else one target
     forward per sequence), per block size."""
     from .distill import teacher_forced_features
 
-    dataset = ShardDataset(args.data)
-    samples = [dataset[i] for i in range(min(args.limit, len(dataset)))]
+    dataset = ShardDataset(config.data)
+    samples = [dataset[i] for i in range(min(config.limit, len(dataset)))]
     layer_ids = list(draft.config.target_layer_ids)
     if not dataset.has_features or dataset.target_layer_ids != layer_ids:
         for sample in samples:
             (sample["features"],) = teacher_forced_features(target, [sample["input_ids"].tolist()], layer_ids, 0)
-    results = {"draft": str(args.draft), "data": str(args.data), "num_sequences": len(samples), "results": []}
-    for block_size in args.block_sizes:
+    results = {"draft": str(config.draft), "data": str(config.data), "num_sequences": len(samples), "results": []}
+    for block_size in config.block_sizes:
         result = teacher_forced_tau(draft, target.get_input_embeddings(), target.get_output_embeddings(), samples,
-                                    block_size, seed=args.seed)
+                                    block_size, seed=config.seed)
         results["results"].append(result)
         print(f"B={block_size:>2}  teacher-forced tau={result['tau']:.3f}  blocks={result['blocks']}")
-    if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2))
+    if config.output:
+        Path(config.output).write_text(json.dumps(results, indent=2))
     return results
 
 

@@ -27,6 +27,8 @@ import os
 import random
 import time
 from contextlib import nullcontext
+import dataclasses
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ from tqdm.auto import tqdm
 from ..atomic import atomic_path, remove, remove_stale_temporaries, removed_on_error, replace, temporary_name
 from ..configuration_dflash import DFlashConfig
 from ..generation_dflash import extract_context_feature
+from ..loading import DTYPES
 from ..modeling_dflash import DFlashDraftModel
 from .blocks import (
     block_labels_and_weights,
@@ -46,11 +49,10 @@ from .blocks import (
     default_gamma,
     sample_anchors,
 )
+from .config import TrainConfig, TrainOptions
 from .data import ShardDataset, collate
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------------------------------- the loss
@@ -150,15 +152,16 @@ def target_features(target, batch: dict, layer_ids: list[int]) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------- model setup
-def build_draft(target, args, layer_ids: list[int] | None) -> DFlashDraftModel:
+def build_draft(target, options: TrainOptions, layer_ids: list[int] | None) -> DFlashDraftModel:
+    """A new drafter for ``target`` shaped as ``options`` say, reading ``layer_ids`` (None: the default ids)."""
     overrides = {}
-    if args.intermediate_size:
-        overrides["intermediate_size"] = args.intermediate_size
+    if options.intermediate_size:
+        overrides["intermediate_size"] = options.intermediate_size
     config = DFlashConfig.from_target_config(
-        target.config, mask_token_id=args.mask_token_id, num_hidden_layers=args.num_draft_layers,
-        block_size=args.block_size, target_layer_ids=layer_ids, **overrides,
+        target.config, mask_token_id=options.mask_token_id, num_hidden_layers=options.num_draft_layers,
+        block_size=options.block_size, target_layer_ids=layer_ids, **overrides,
     )
-    config._attn_implementation = args.attn_implementation
+    config._attn_implementation = options.attn_implementation
     return DFlashDraftModel(config)
 
 
@@ -204,8 +207,8 @@ def _unwrap(model):
     return model.module if hasattr(model, "module") else model
 
 
-def save_checkpoint(out_dir: Path, name: str, draft, optimizer, scheduler, state: dict, args, generator,
-                    rank: int, world: int, keep: int | None = None) -> Path:
+def save_checkpoint(out_dir: Path, name: str, draft, optimizer, scheduler, state: dict, config: TrainConfig,
+                    generator, rank: int, world: int, keep: int | None = None) -> Path:
     """Atomic: everything goes to ``.tmp-NAME``, renamed to ``checkpoints/NAME``, then ``latest`` is replaced.
 
     Every file is plain tensors and Python values (``torch.load(..., weights_only=True)`` reads them). A folder being
@@ -231,7 +234,7 @@ def save_checkpoint(out_dir: Path, name: str, draft, optimizer, scheduler, state
             _unwrap(draft).save_pretrained(tmp)
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **state,
                         "world_size": world}, tmp / "trainer_state.pt")
-            (tmp / "training_args.json").write_text(json.dumps(vars(args), indent=2, default=str))
+            (tmp / "training_args.json").write_text(json.dumps(asdict(config), indent=2, default=str))
         replace(tmp, final)
         with atomic_path(out_dir / "latest") as pointer:
             pointer.write_text(f"checkpoints/{name}\n")
@@ -330,200 +333,306 @@ def plot_curves(log_path: Path, png_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- train
-def train(args) -> dict:
-    """Run training as configured by ``args`` (see `add_train_parser`); returns a summary dict."""
+@dataclass
+class TrainingRun:
+    """One training process between steps, as `setup_training` builds it and `train_step` advances it."""
+
+    config: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    out_dir: Path
+    target: nn.Module
+    embed_tokens: nn.Module
+    lm_head: nn.Module  # the target's head, or a `VocabSubsetHead` with --train-vocab
+    dataset: ShardDataset
+    pad_id: int
+    gamma: float
+    layer_ids: list[int]
+    draft: DFlashDraftModel
+    model: nn.Module  # the drafter, DDP-wrapped with several processes
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    generator: torch.Generator  # anchors (and sampled positions)
+    steps_per_epoch: int
+    total_steps: int
+    autocast: object
+    resumed_from: Path | None = None
+    step: int = 0
+    orders: dict[int, list[int]] = field(default_factory=dict)  # this epoch's sample order (one epoch kept)
+
+    @property
+    def log_path(self) -> Path:
+        return self.out_dir / "log.jsonl"
+
+
+@dataclass
+class MetricsWindow:
+    """Loss and draft accuracy per block position over the steps since the last log line."""
+
+    block_size: int
+    loss: float = 0.0
+    steps: int = 0
+    blocks: int = 0
+    started: float = field(default_factory=time.monotonic)
+    correct: torch.Tensor = field(init=False)  # [B] correct drafts per block position
+    count: torch.Tensor = field(init=False)  # [B] label rows per block position
+
+    def __post_init__(self):
+        self.correct, self.count = torch.zeros(self.block_size), torch.zeros(self.block_size)
+
+    def add_micro_batch(self, stats: dict) -> None:
+        self.correct += stats["correct"]
+        self.count += stats["count"]
+        self.blocks += stats["blocks"]
+
+
+def train(config: TrainConfig) -> dict:
+    """Train a drafter as ``config`` says (see `TrainConfig`, ``dflash-hf train``); returns a summary dict.
+
+    setup (`setup_training`: target, data, drafter, optimizer, schedule, resume) -> steps (`train_step`), each
+    evaluated on the running window (`evaluate_window`, a ``log.jsonl`` line every ``log_every`` steps) and
+    checkpointed every ``save_every`` steps or when time is up (`checkpoint`) -> the final drafter (`finish_training`).
+    """
+    run = setup_training(config)
+    start = time.monotonic()
+    window, total_blocks, stopped_by_budget, last_saved = MetricsWindow(config.block_size), 0, False, run.step
+    bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step",
+               disable=run.rank != 0 or config.quiet)
+    while run.step < run.total_steps:
+        epoch = run.step // run.steps_per_epoch
+        loss, blocks = train_step(run, window)
+        window.loss, window.steps = window.loss + loss, window.steps + 1
+        total_blocks += blocks
+        bar.update(1)
+        if run.rank == 0 and (run.step % config.log_every == 0 or run.step == run.total_steps):
+            row = evaluate_window(run, window, epoch, start)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            window = MetricsWindow(config.block_size)
+        out_of_time = bool(config.time_budget) and time.monotonic() - start > config.time_budget
+        out_of_time = _any(out_of_time, run.world, run.device)
+        out_of_time = out_of_time or bool(config.stop_after and run.step >= config.stop_after)
+        if run.step < run.total_steps and (out_of_time or (config.save_every and run.step % config.save_every == 0)):
+            last_saved = checkpoint(run)
+        if out_of_time:
+            stopped_by_budget = True
+            if run.rank == 0:
+                logger.info("stopping at step %d (--time-budget %s / --stop-after %s)", run.step, config.time_budget,
+                            config.stop_after)
+            break
+    bar.close()
+    if run.step != last_saved or run.step == run.total_steps:
+        checkpoint(run)
+    return finish_training(run, start, stopped_by_budget, total_blocks)
+
+
+def setup_training(config: TrainConfig) -> TrainingRun:
+    """Processes, seeds, the frozen target, the shards, the drafter (new, ``init_from`` or resumed), AdamW and the
+    cosine schedule, restored from a checkpoint when resuming; ``log.jsonl`` cut back to the checkpoint's step."""
     from ..loading import load_target
 
-    rank, world, device = setup_distributed(args.device)
-    args.attn_implementation = resolve_attention(args.attn_implementation, device)
-    out_dir = Path(args.output_dir)
+    rank, world, device = setup_distributed(config.device)
+    config = dataclasses.replace(config, attn_implementation=resolve_attention(config.attn_implementation, device))
+    out_dir = Path(config.output_dir)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed)
-    generator = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    random.seed(config.seed + rank)
+    torch.manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.seed * 7919 + rank)
 
-    target, tokenizer = load_target(args.target, dtype=args.target_dtype, device=str(device))
+    target, tokenizer = load_target(config.target, dtype=config.target_dtype, device=str(device))
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    dataset = ShardDataset(args.data, max_length=args.max_length, load_features=not args.online_features)
-    layer_ids = args.target_layer_ids or dataset.target_layer_ids
-    if dataset.has_features and args.target_layer_ids and dataset.target_layer_ids not in (None, args.target_layer_ids):
-        raise ValueError(f"--target-layer-ids {args.target_layer_ids} differ from the shards' features "
+    dataset = ShardDataset(config.data, max_length=config.max_length, load_features=not config.online_features)
+    asked = config.target_layer_ids
+    if dataset.has_features and asked and dataset.target_layer_ids not in (None, asked):
+        raise ValueError(f"--target-layer-ids {asked} differ from the shards' features "
                          f"({dataset.target_layer_ids}); redistill or pass --online-features.")
-    if args.train_vocab:
-        ids, coverage = dataset.frequent_response_tokens(args.train_vocab)
+    if config.train_vocab:
+        ids, coverage = dataset.frequent_response_tokens(config.train_vocab)
         lm_head = VocabSubsetHead(lm_head, ids)
         if rank == 0:
             logger.info("loss over the %d most frequent response tokens: %.2f%% of the labels", len(ids),
                         100 * coverage)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    gamma = args.gamma if args.gamma is not None else default_gamma(args.block_size)
+    gamma = config.gamma if config.gamma is not None else default_gamma(config.block_size)
 
-    resume_dir = resolve_resume(args.resume, out_dir) if args.resume else None
-    if resume_dir is not None:
-        draft = DFlashDraftModel.from_pretrained(resume_dir, dtype=torch.float32)
-        draft.config._attn_implementation = args.attn_implementation
-    elif args.init_from:  # continue from a trained drafter (its shape and layer ids), with a fresh optimizer
-        draft = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
-        draft.config._attn_implementation = args.attn_implementation
-        if dataset.has_features and dataset.target_layer_ids not in (None, list(draft.config.target_layer_ids)):
-            raise ValueError(f"--init-from {args.init_from} reads layers {draft.config.target_layer_ids} but the "
-                             f"shards' features are of layers {dataset.target_layer_ids}; pass --online-features.")
-    else:
-        torch.manual_seed(args.seed)
-        draft = build_draft(target, args, layer_ids)
-        if args.warm_start:
-            copied = warm_start_from_target(draft, target)
-            if rank == 0:
-                logger.info("warm start copied %d tensors from the target", len(copied))
-    layer_ids = list(draft.config.target_layer_ids)
+    resume_dir = resolve_resume(config.resume, out_dir) if config.resume else None
+    draft = load_draft(config, target, dataset, resume_dir, rank)
     draft.to(device).train()
     model = draft
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(
             draft, device_ids=[device.index] if device.type == "cuda" else None)
-
-    fc_params = list(draft.fc.parameters())
-    other_params = [p for n, p in draft.named_parameters() if not n.startswith("fc.")]
-    no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
-    decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-    )
+    optimizer = build_optimizer(draft, config)
     per_rank = len(dataset) // world
     if per_rank == 0:
         raise ValueError(f"{len(dataset)} sequences cannot feed {world} processes.")
-    micro_per_epoch = math.ceil(per_rank / args.batch_size)
-    steps_per_epoch = max(1, micro_per_epoch // args.grad_accum)
-    total_steps = args.max_steps or args.epochs * steps_per_epoch
-    warmup = args.warmup_steps if args.warmup_steps is not None else int(args.warmup_ratio * total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(total_steps, warmup, args.min_lr_ratio))
-
-    step = 0
+    steps_per_epoch = max(1, math.ceil(per_rank / config.batch_size) // config.grad_accum)
+    total_steps = config.max_steps or config.epochs * steps_per_epoch
+    warmup = config.warmup_steps if config.warmup_steps is not None else int(config.warmup_ratio * total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(total_steps, warmup, config.min_lr_ratio))
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.bf16 else nullcontext
+    run = TrainingRun(
+        config=config, rank=rank, world=world, device=device, out_dir=out_dir, target=target,
+        embed_tokens=embed_tokens, lm_head=lm_head, dataset=dataset, pad_id=pad_id, gamma=gamma,
+        layer_ids=list(draft.config.target_layer_ids), draft=draft, model=model, optimizer=optimizer,
+        scheduler=scheduler, generator=generator, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+        autocast=autocast, resumed_from=resume_dir,
+    )
     if resume_dir is not None:
-        state = torch.load(resume_dir / "trainer_state.pt", map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
-        rng_path = resume_dir / f"rng-rank{rank}.pt"
-        if rng_path.exists() and state.get("world_size", 1) == world:
-            rng = torch.load(rng_path, weights_only=True)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            generator.set_state(rng["anchors"])
-            if rng.get("cuda") is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
-        else:
-            logger.warning("resuming with a different process count: anchor RNG reseeded")
-            generator.manual_seed(args.seed * 7919 + rank + step)
-        if rank == 0:
-            logger.info("resumed from %s at step %d", resume_dir, step)
+        restore_checkpoint(run, resume_dir)
+    if rank == 0:
+        _trim_log(run)
+    return run
 
-    use_autocast = args.bf16
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_autocast else nullcontext
-    log_path, png_path = out_dir / "log.jsonl", out_dir / "curves.png"
-    if rank == 0 and resume_dir is None and log_path.exists():
-        log_path.unlink()
-    elif rank == 0 and log_path.exists():  # keep the lines up to the checkpoint: later steps run again
-        kept = [line for line in log_path.read_text().splitlines()
-                if (logged := _logged_step(line)) is not None and logged <= step]
-        with atomic_path(log_path) as tmp:
-            tmp.write_text("".join(line + "\n" for line in kept))
 
-    start = time.monotonic()
-    window = {"loss": 0.0, "n": 0, "correct": torch.zeros(args.block_size), "count": torch.zeros(args.block_size),
-              "blocks": 0, "t": time.monotonic()}
-    total_blocks = 0
-    stopped_by_budget = False
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=rank != 0 or args.quiet)
-    order_cache: dict[int, list[int]] = {}
-    last_saved = step
-    while step < total_steps:
-        epoch, in_epoch = divmod(step, steps_per_epoch)
-        if epoch not in order_cache:
-            order_cache = {epoch: epoch_order(len(dataset), epoch, args.seed, rank, world)}
-        order = order_cache[epoch]
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        for micro in range(args.grad_accum):
-            first = (in_epoch * args.grad_accum + micro) * args.batch_size
-            indices = [order[(first + j) % len(order)] for j in range(args.batch_size)]
-            batch = {k: v.to(device) for k, v in collate([dataset[i] for i in indices], pad_id).items()}
-            features = batch.pop("features", None)
-            if features is None:
-                features = target_features(target, batch, layer_ids)
-            sync = nullcontext() if (world == 1 or micro == args.grad_accum - 1) else model.no_sync()
-            with sync:
-                loss, stats = block_loss(
-                    model, embed_tokens, lm_head, batch, features, block_size=args.block_size,
-                    num_anchors=args.num_anchors, mask_token_id=draft.config.mask_token_id, gamma=gamma,
-                    generator=generator, sample_positions=args.sample_positions, autocast=autocast,
-                )
-                (loss / args.grad_accum).backward()
-            step_loss += loss.item() / args.grad_accum
-            window["correct"] += stats["correct"]
-            window["count"] += stats["count"]
-            window["blocks"] += stats["blocks"]
-            total_blocks += stats["blocks"]
-        if args.fc_max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(fc_params, args.fc_max_grad_norm)
-        if args.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(other_params, args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        window["loss"] += step_loss
-        window["n"] += 1
-        bar.update(1)
-
-        if rank == 0 and (step % args.log_every == 0 or step == total_steps):
-            elapsed = time.monotonic() - window["t"]
-            per_pos = (window["correct"] / window["count"].clamp(min=1)).tolist()[1:]
-            row = {
-                "step": step, "epoch": epoch, "loss": window["loss"] / window["n"],
-                "acc": float(window["correct"].sum() / window["count"].sum().clamp(min=1)),
-                "acc_per_position": per_pos, "lr": scheduler.get_last_lr()[0],
-                "blocks_per_s": window["blocks"] * world / max(elapsed, 1e-9),
-                "tokens_per_s": window["blocks"] * world * args.block_size / max(elapsed, 1e-9),
-                "elapsed_s": time.monotonic() - start,
-            }
-            with log_path.open("a") as handle:
-                handle.write(json.dumps(row) + "\n")
-            bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            window.update(loss=0.0, n=0, correct=torch.zeros(args.block_size), count=torch.zeros(args.block_size),
-                          blocks=0, t=time.monotonic())
-
-        out_of_time = bool(args.time_budget) and time.monotonic() - start > args.time_budget
-        out_of_time = _any(out_of_time, world, device) or bool(args.stop_after and step >= args.stop_after)
-        if step < total_steps and (out_of_time or (args.save_every and step % args.save_every == 0)):
-            save_checkpoint(out_dir, f"step-{step:07d}", model, optimizer, scheduler, {"step": step}, args,
-                            generator, rank, world, keep=args.keep_checkpoints)
-            last_saved = step
-        if out_of_time:
-            stopped_by_budget = True
+def load_draft(config: TrainConfig, target, dataset: ShardDataset, resume_dir: Path | None, rank: int):
+    """The drafter to train, in float32: the checkpoint's when resuming, ``init_from``'s (its shape and layer ids),
+    or a new one (``warm_start``: the target's top layers)."""
+    if resume_dir is not None:
+        draft = DFlashDraftModel.from_pretrained(resume_dir, dtype=torch.float32)
+        draft.config._attn_implementation = config.attn_implementation
+    elif config.init_from:  # continue from a trained drafter (its shape and layer ids), with a fresh optimizer
+        draft = DFlashDraftModel.from_pretrained(config.init_from, dtype=torch.float32)
+        draft.config._attn_implementation = config.attn_implementation
+        if dataset.has_features and dataset.target_layer_ids not in (None, list(draft.config.target_layer_ids)):
+            raise ValueError(f"--init-from {config.init_from} reads layers {draft.config.target_layer_ids} but the "
+                             f"shards' features are of layers {dataset.target_layer_ids}; pass --online-features.")
+    else:
+        torch.manual_seed(config.seed)
+        draft = build_draft(target, config, config.target_layer_ids or dataset.target_layer_ids)
+        if config.warm_start:
+            copied = warm_start_from_target(draft, target)
             if rank == 0:
-                logger.info("stopping at step %d (--time-budget %s / --stop-after %s)", step, args.time_budget,
-                            args.stop_after)
-            break
-    bar.close()
+                logger.info("warm start copied %d tensors from the target", len(copied))
+    return draft
 
-    if step != last_saved or step == total_steps:
-        save_checkpoint(out_dir, f"step-{step:07d}", model, optimizer, scheduler, {"step": step}, args,
-                        generator, rank, world, keep=args.keep_checkpoints)
-    final_dir = out_dir / "final"
-    if rank == 0:
-        if log_path.exists():
-            plot_curves(log_path, png_path)
-        save_final(draft, final_dir, dtype=args.final_dtype, max_shard_size=args.final_max_shard_size)
-    _barrier(world)
+
+def build_optimizer(draft: DFlashDraftModel, config: TrainOptions) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
+    no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
+    decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+    )
+
+
+def restore_checkpoint(run: TrainingRun, resume_dir: Path) -> None:
+    """Optimizer, schedule, step and (with the same process count) every RNG from ``resume_dir``."""
+    state = torch.load(resume_dir / "trainer_state.pt", map_location="cpu", weights_only=True)
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.step = state["step"]
+    rng_path = resume_dir / f"rng-rank{run.rank}.pt"
+    if rng_path.exists() and state.get("world_size", 1) == run.world:
+        rng = torch.load(rng_path, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        run.generator.set_state(rng["anchors"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    else:
+        logger.warning("resuming with a different process count: anchor RNG reseeded")
+        run.generator.manual_seed(run.config.seed * 7919 + run.rank + run.step)
+    if run.rank == 0:
+        logger.info("resumed from %s at step %d", resume_dir, run.step)
+
+
+def _trim_log(run: TrainingRun) -> None:
+    """A fresh run starts a new ``log.jsonl``; a resumed one keeps the lines up to its step (later steps run again)."""
+    log_path = run.log_path
+    if not log_path.exists():
+        return
+    if run.resumed_from is None:
+        log_path.unlink()
+        return
+    kept = [line for line in log_path.read_text().splitlines()
+            if (logged := _logged_step(line)) is not None and logged <= run.step]
+    with atomic_path(log_path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))
+
+
+def train_step(run: TrainingRun, window: MetricsWindow) -> tuple[float, int]:
+    """One optimizer step over ``grad_accum`` micro-batches of this epoch's order; returns (mean loss, blocks)."""
+    config = run.config
+    epoch, in_epoch = divmod(run.step, run.steps_per_epoch)
+    if epoch not in run.orders:
+        run.orders = {epoch: epoch_order(len(run.dataset), epoch, config.seed, run.rank, run.world)}
+    order = run.orders[epoch]
+    run.optimizer.zero_grad(set_to_none=True)
+    step_loss, blocks = 0.0, 0
+    for micro in range(config.grad_accum):
+        first = (in_epoch * config.grad_accum + micro) * config.batch_size
+        indices = [order[(first + j) % len(order)] for j in range(config.batch_size)]
+        batch = {k: v.to(run.device) for k, v in collate([run.dataset[i] for i in indices], run.pad_id).items()}
+        features = batch.pop("features", None)
+        if features is None:
+            features = target_features(run.target, batch, run.layer_ids)
+        sync = nullcontext() if (run.world == 1 or micro == config.grad_accum - 1) else run.model.no_sync()
+        with sync:
+            loss, stats = block_loss(
+                run.model, run.embed_tokens, run.lm_head, batch, features, block_size=config.block_size,
+                num_anchors=config.num_anchors, mask_token_id=run.draft.config.mask_token_id, gamma=run.gamma,
+                generator=run.generator, sample_positions=config.sample_positions, autocast=run.autocast,
+            )
+            (loss / config.grad_accum).backward()
+        step_loss += loss.item() / config.grad_accum
+        window.add_micro_batch(stats)
+        blocks += stats["blocks"]
+    # fc clipped on its own: massive target activations give it huge early gradients
+    if config.fc_max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(list(run.draft.fc.parameters()), config.fc_max_grad_norm)
+    if config.max_grad_norm:
+        others = [p for n, p in run.draft.named_parameters() if not n.startswith("fc.")]
+        torch.nn.utils.clip_grad_norm_(others, config.max_grad_norm)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.step += 1
+    return step_loss, blocks
+
+
+def evaluate_window(run: TrainingRun, window: MetricsWindow, epoch: int, start: float) -> dict:
+    """The ``log.jsonl`` line of the steps in ``window``: loss, accuracy (all and per block position), learning rate
+    and throughput; appended to the log and returned."""
+    elapsed = time.monotonic() - window.started
+    row = {
+        "step": run.step, "epoch": epoch, "loss": window.loss / window.steps,
+        "acc": float(window.correct.sum() / window.count.sum().clamp(min=1)),
+        "acc_per_position": (window.correct / window.count.clamp(min=1)).tolist()[1:],
+        "lr": run.scheduler.get_last_lr()[0],
+        "blocks_per_s": window.blocks * run.world / max(elapsed, 1e-9),
+        "tokens_per_s": window.blocks * run.world * run.config.block_size / max(elapsed, 1e-9),
+        "elapsed_s": time.monotonic() - start,
+    }
+    with run.log_path.open("a") as handle:
+        handle.write(json.dumps(row) + "\n")
+    return row
+
+
+def checkpoint(run: TrainingRun) -> int:
+    """Save ``checkpoints/step-XXXXXXX`` (see `save_checkpoint`); returns the step saved."""
+    save_checkpoint(run.out_dir, f"step-{run.step:07d}", run.model, run.optimizer, run.scheduler, {"step": run.step},
+                    run.config, run.generator, run.rank, run.world, keep=run.config.keep_checkpoints)
+    return run.step
+
+
+def finish_training(run: TrainingRun, start: float, stopped_by_budget: bool, blocks: int) -> dict:
+    """The curves, ``final/`` (the drafter alone, in ``final_dtype``) and ``summary.json``; returns the summary
+    (``seconds`` since ``start``, the final save included)."""
+    final_dir = run.out_dir / "final"
+    if run.rank == 0:
+        if run.log_path.exists():
+            plot_curves(run.log_path, run.out_dir / "curves.png")
+        save_final(run.draft, final_dir, dtype=run.config.final_dtype, max_shard_size=run.config.final_max_shard_size)
+    _barrier(run.world)
     seconds = time.monotonic() - start
-    summary = {"step": step, "total_steps": total_steps, "stopped_by_budget": stopped_by_budget,
-               "blocks": total_blocks * world, "seconds": seconds, "blocks_per_s": total_blocks * world / seconds,
+    summary = {"step": run.step, "total_steps": run.total_steps, "stopped_by_budget": stopped_by_budget,
+               "blocks": blocks * run.world, "seconds": seconds, "blocks_per_s": blocks * run.world / seconds,
                "final": str(final_dir)}
-    if rank == 0:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if world > 1:
+    if run.rank == 0:
+        (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if run.world > 1:
         torch.distributed.destroy_process_group()
     return summary
 
@@ -538,4 +647,19 @@ def save_final(draft: DFlashDraftModel, path: Path, dtype: str = "bfloat16", max
     return path
 
 
-__all__ = ["VocabSubsetHead", "block_loss", "build_draft", "save_checkpoint", "save_final", "train", "warm_start_from_target"]
+__all__ = [
+    "MetricsWindow",
+    "TrainingRun",
+    "VocabSubsetHead",
+    "block_loss",
+    "build_draft",
+    "checkpoint",
+    "evaluate_window",
+    "finish_training",
+    "save_checkpoint",
+    "save_final",
+    "setup_training",
+    "train",
+    "train_step",
+    "warm_start_from_target",
+]

@@ -54,7 +54,8 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("--target", default="default", help="target model folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="default", help="drafter folder, 'default' (shipped drafter) or 'none'")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples at this temperature (no top-k / top-p)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="dtype of the target; auto = bfloat16 where the machine computes it natively, else float32")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")

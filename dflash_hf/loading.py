@@ -11,6 +11,11 @@ from .files import check_safetensors
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(choice: str | None) -> str:
+    """``--device``: as given, else ``cuda`` when a GPU is available, else ``cpu``."""
+    return choice or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def native_bf16() -> str | None:
     """What computes bf16 natively here (a CUDA GPU, or a CPU with AMX / AVX-512 BF16 instructions), else None.
     Without them PyTorch emulates bf16 matmuls on the CPU, several times slower than fp32."""

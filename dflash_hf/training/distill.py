@@ -25,7 +25,7 @@ from ..atomic import atomic_path
 from ..configuration_dflash import build_target_layer_ids
 from ..errors import DFlashUserError
 from ..generation_dflash import extract_context_feature, sampling_options
-from ..loading import load_target
+from ..loading import load_target, resolve_device
 from .config import DistillConfig, FeaturesConfig
 from .data import Prompt, read_prompts, shard_path, write_shard
 
@@ -108,7 +108,7 @@ def distill(config: DistillConfig) -> dict:
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(config.device)
     if device == "cuda" and world > 1:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
 
@@ -192,7 +192,7 @@ def add_features(config: FeaturesConfig) -> dict:
         raise ValueError("--out must differ from --data: the token-only shards stay as they are.")
     out_dir.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    model, tokenizer = load_target(config.target, dtype=config.dtype, device=config.device or "cpu")
+    model, tokenizer = load_target(config.target, dtype=config.dtype, device=resolve_device(config.device))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     start, tokens, written = time.monotonic(), 0, []
     todo = [p for i, p in enumerate(shards) if i % world == rank and not (out_dir / p.name).exists()]

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..generation_dflash import DFlashStats
-from ..loading import DTYPES, load_target
+from ..loading import DTYPES, load_target, resolve_device
 from ..modeling_dflash import DFlashDraftModel
 from .blocks import block_labels_and_weights, build_block_inputs, build_block_mask, sample_anchors
 from .config import EvalConfig
@@ -97,7 +97,7 @@ def teacher_forced_tau(draft, embed_tokens, lm_head, samples: list[dict], block_
 def evaluate(config: EvalConfig) -> dict:
     """Run ``dflash-hf eval`` as ``config`` says (see `EvalConfig`); returns and optionally writes JSON."""
     torch.manual_seed(config.seed)
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(config.device)
     target, tokenizer = load_target(config.target, dtype=config.dtype, device=device)
     draft = DFlashDraftModel.from_pretrained(config.draft, dtype=DTYPES[config.draft_dtype]).to(device).eval()
     if config.data:

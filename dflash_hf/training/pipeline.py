@@ -12,8 +12,7 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
-import torch
-
+from ..loading import resolve_device
 from .config import DistillConfig, EvalConfig, RunConfig, TrainAllConfig, TrainConfig
 from .distill import distill
 from .trainer import train
@@ -27,7 +26,7 @@ def train_all(config: TrainAllConfig) -> dict:
     start = time.monotonic()
     out, training = Path(config.out), config.training
     run = {f.name: getattr(config, f.name) for f in fields(RunConfig)}
-    on_gpu = (config.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    on_gpu = resolve_device(config.device).startswith("cuda")
     distill(DistillConfig(
         **run, **asdict(config.generation), prompts=config.prompts, out=str(out / "data"), limit=config.limit,
         dtype="bfloat16" if on_gpu else training.target_dtype, target_layer_ids=training.target_layer_ids,

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from ..atomic import atomic_path, remove, remove_stale_temporaries, removed_on_error, replace, temporary_name
 from ..configuration_dflash import DFlashConfig
 from ..generation_dflash import extract_context_feature
-from ..loading import DTYPES
+from ..loading import DTYPES, resolve_device
 from ..modeling_dflash import DFlashDraftModel
 from .blocks import (
     block_labels_and_weights,
@@ -273,7 +273,7 @@ def setup_distributed(device_arg: str | None):
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", rank))
-    device = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device_arg)
     if world > 1 and not torch.distributed.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         torch.distributed.init_process_group(backend)

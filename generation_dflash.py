@@ -9,9 +9,12 @@ One speculative round, in the order transformers' assisted-decoding loop runs it
 2. **draft** (`DFlashCandidateGenerator._draft`): embed ``[last token, mask x (B-1)]`` with the target's embedding, run
    the drafter once, take the argmax of the target's ``lm_head`` on rows ``1..B-1``;
 3. **verify** and 4. **accept**: transformers' loop runs the target on the block and keeps the longest matching prefix
-   plus the target's own next token. Greedy: first mismatch. Sampling: the generator returns no draft distribution,
-   so the loop samples the target at every position and accepts drafts while they equal the sample -- rejection
-   sampling with a one-hot draft distribution, exact target sampling with the highest acceptance a greedy draft gets.
+   plus the target's own next token. Greedy: first mismatch. Sampling, ``draft_sampling="sample"``: each draft is
+   sampled from the drafter's own distribution q (DFlash: its logits warped by the target's logits processors;
+   DFlash2: the path selector), and the generator returns q, so the loop runs rejection sampling against it (accept
+   ``u * q(d) < p(d)``, else resample from ``norm(max(p - q, 0))``). ``draft_sampling="greedy"``: argmax drafts and no
+   draft distribution, so the loop samples the target and accepts drafts while they equal the sample (rejection
+   sampling with a one-hot q). Both are exact target sampling; see `draft_sampling_mode` for the choice.
 
 Dispatch: `install_dflash_dispatch` wraps ``GenerationMixin._get_candidate_generator`` (and the mode validation
 before it) so that a DFlash drafter passed as ``assistant_model`` gets `DFlashCandidateGenerator`. Every other
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import transformers
 from transformers.cache_utils import DynamicCache
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
@@ -216,7 +219,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, drafter, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
+    def __init__(
+        self, drafter, target, generation_config, input_ids, model_kwargs, target_tokenizer=None, logits_processor=None
+    ):
         # The drafter was checked against the target before generation started (`_validate_generation_mode`).
         if input_ids.shape[0] != 1:
             raise ValueError(
@@ -244,8 +249,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         capture = True if generation_config.output_hidden_states else [i + 1 for i in self.layer_ids]
         self.model_kwargs_overrides = {"output_hidden_states": capture}
         self.draft_device, self.draft_dtype = drafter.device, drafter.dtype
-        # Drafters with a draft distribution (DFlash2) sample their path at the request's temperature and return q.
-        self.temperature = generation_config.temperature if generation_config.do_sample else None
+        # Sampled drafts: the drafter samples at the request's temperature (DFlash also through the target's logits
+        # processors, `sample_drafts`) and returns q; None drafts greedily (argmax, no q).
+        sampled = generation_config.do_sample and draft_sampling_mode(drafter, generation_config) == "sample"
+        self.temperature = generation_config.temperature if sampled else None
+        self.logits_processor = logits_processor
         self.round_draft_logits: torch.Tensor | None = None  # [1, k, V] log q of the proposals, when sampled
         self.mask_ids = torch.full(
             (1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long, device=input_ids.device
@@ -358,11 +366,20 @@ class DFlashCandidateGenerator(CandidateGenerator):
             # A 2-D [k + 1, H] input: a 3-D slice keeps the stride of the full block in its batch dimension, and
             # torch.matmul then copies the whole transposed lm_head weight on every call (65 ms per round in bf16).
             rows = hidden[0, 1 : 2 + num_drafts].to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype)
-            drafts, draft_logits = self.drafter.propose(self.lm_head, rows, input_ids[0, -1], self.temperature)
+            drafts, draft_logits = self.drafter.propose(
+                self.lm_head, rows, input_ids[0, -1], self.temperature, self._draft_warp(input_ids)
+            )
         self.round_drafts = drafts[None].to(input_ids.device)
         if draft_logits is not None:
             self.round_draft_logits = draft_logits[None, :num_drafts]
         return self.round_drafts[:, :num_drafts]
+
+    def _draft_warp(self, input_ids):
+        """The target's logits processors as the verify step applies them to block position ``t``: on the ids before
+        it, ``input_ids`` plus drafts ``1..t-1`` (see `sample_drafts`); None without processors (temperature only)."""
+        if self.temperature is None or self.logits_processor is None:
+            return None
+        return lambda drafts, scores: self.logits_processor(torch.cat([input_ids, drafts[None]], dim=-1), scores)
 
     def _prompt_lookup(self, input_ids, num_drafts: int, budget: int, shadow: bool) -> torch.LongTensor | None:
         """The prompt-lookup continuation when it is expected to commit more tokens per second than the drafter's
@@ -427,6 +444,23 @@ def draft_settings(drafter, generation_config) -> tuple[int, bool]:
     return block_size, adaptive and block_size > 1
 
 
+DRAFT_SAMPLING_MODES = ("greedy", "sample")
+
+
+def draft_sampling_mode(drafter, generation_config) -> str:
+    """How drafts are chosen when ``generate`` samples: ``"sample"`` draws them from the drafter's distribution q and
+    hands q to the verifier, ``"greedy"`` proposes argmax drafts (a one-hot q).
+
+    Per call ``generate(..., draft_sampling="greedy")`` (a `GenerationConfig` field that `install_dflash_dispatch`
+    registers, so ``target.generation_config.draft_sampling`` and a passed ``generation_config`` work too); a call that
+    sets none uses the drafter's default, ``drafter.draft_sampling``.
+    """
+    mode = getattr(generation_config, "draft_sampling", None) or getattr(drafter, "draft_sampling", "greedy")
+    if mode not in DRAFT_SAMPLING_MODES:
+        raise ValueError(f"draft_sampling must be 'greedy' or 'sample', got {mode!r}.")
+    return mode
+
+
 def prompt_lookup(tokens: torch.LongTensor, max_ngram: int, num_tokens: int) -> torch.LongTensor | None:
     """Prompt lookup: find the latest earlier occurrence of the last ``n`` tokens of ``tokens [n_ctx]`` (longest
     ``n <= max_ngram`` first) and return the ``num_tokens`` tokens that followed it, or None.
@@ -446,6 +480,22 @@ def prompt_lookup(tokens: torch.LongTensor, max_ngram: int, num_tokens: int) -> 
     return None
 
 
+def sample_drafts(logits: torch.Tensor, warp) -> tuple[torch.LongTensor, torch.Tensor]:
+    """Sample one draft per row of ``logits [M, V]`` (block rows ``1..M``) -> ``(drafts [M], scores [M, V])``.
+
+    Row ``t`` is warped as the verify step warps the target's logits at that block position, ``warp(drafts[:t],
+    row)`` (float32, ``[1, V]`` in and out), and its draft is drawn from ``softmax(scores[t])``: ``scores`` is the draft
+    distribution q that transformers' rejection sampling reads (``softmax`` of the candidate logits). Processors
+    that read the ids before a position (repetition penalty, n-gram bans, min length) see the drafts before it.
+    """
+    drafts, scores = logits.new_empty(0, dtype=torch.long), []
+    for row in logits.float():
+        warped = warp(drafts, row[None])
+        drafts = torch.cat([drafts, torch.multinomial(warped.softmax(dim=-1), num_samples=1)[0]])
+        scores.append(warped)
+    return drafts, torch.cat(scores)
+
+
 _FASTER_TRANSPOSED: dict[tuple, bool] = {}  # (dtype, rows, weight shape) -> W @ rows.T beats rows @ W.T
 
 
@@ -457,12 +507,16 @@ def head_argmax(lm_head, rows: torch.Tensor) -> torch.LongTensor:
     On CPU, the first call for each (dtype, M, head shape) times both forms once and keeps the faster. A head that
     is not a bias-free ``nn.Linear``, or one on an accelerator, is simply called.
     """
+    return head_logits(lm_head, rows).argmax(dim=-1)
+
+
+def head_logits(lm_head, rows: torch.Tensor) -> torch.Tensor:
+    """``lm_head(rows)`` for a few rows ``[M, H]`` -> ``[M, V]``, in the faster matmul form (see `head_argmax`)."""
     if not _is_plain_cpu_head(lm_head):
-        return lm_head(rows).argmax(dim=-1)
-    weight = lm_head.weight
+        return lm_head(rows)
     if calibrate_head(lm_head, rows.shape[0]):
-        return (weight @ rows.T).argmax(dim=0)
-    return (rows @ weight.T).argmax(dim=-1)
+        return (lm_head.weight @ rows.T).T
+    return rows @ lm_head.weight.T
 
 
 def calibrate_head(lm_head, num_rows: int) -> bool:
@@ -513,9 +567,16 @@ class DFlashDrafterMixin:
     # `generate(max_matching_ngram_size=n)`). A round proposes the lookup's continuation instead of the drafter's
     # block when that is expected to commit more tokens per second.
     prompt_lookup_ngram: int = 3
+    # When sampling: "sample" draws the drafts from the drafter's own distribution q and verifies against it, "greedy"
+    # proposes argmax drafts (see `draft_sampling_mode`; per call: `generate(draft_sampling=...)`). Both are exact.
+    draft_sampling: str = "sample"
 
-    def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
-        return DFlashCandidateGenerator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer)
+    def make_candidate_generator(
+        self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None, logits_processor=None
+    ):
+        return DFlashCandidateGenerator(
+            self, target, generation_config, input_ids, model_kwargs, target_tokenizer, logits_processor
+        )
 
     def embed_block(self, embed_tokens, block_ids: torch.LongTensor) -> torch.Tensor:
         """Noise embeddings ``[1, B, H]`` of ``block_ids [1, B]``.
@@ -544,15 +605,19 @@ class DFlashDrafterMixin:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def propose(self, lm_head, rows: torch.Tensor, anchor: torch.Tensor, temperature: float | None = None):
-        """Draft tokens from the draft hidden states ``rows [M, H]`` (block rows ``1..M``) -> ``(tokens [M], None)``.
+    def propose(self, lm_head, rows: torch.Tensor, anchor: torch.Tensor, temperature: float | None = None, warp=None):
+        """Draft tokens from the draft hidden states ``rows [M, H]`` (block rows ``1..M``) -> ``(tokens [M],
+        draft_logits [M, V] or None)``.
 
-        DFlash drafts greedily (the argmax of the transformed logits) and has no draft distribution to return;
-        ``anchor`` and ``temperature`` serve drafters that walk a path (DFlash2).
+        ``temperature`` None: greedy drafts, the argmax of the transformed logits, and no draft distribution.
+        Otherwise each draft is sampled from ``q = softmax(draft_logits)``, the transformed logits warped by ``warp``
+        (the target's logits processors, see `sample_drafts`) or, without it, divided by ``temperature``. ``anchor``
+        serves drafters that walk a path (DFlash2).
         """
-        if self._logit_transform() == (None, None):
-            return head_argmax(lm_head, rows), None
-        return self.transform_logits(lm_head(rows)).argmax(dim=-1), None
+        logits = self.transform_logits(head_logits(lm_head, rows))
+        if temperature is None:
+            return logits.argmax(dim=-1), None
+        return sample_drafts(logits, warp or (lambda drafts, scores: scores / temperature))
 
     @torch.no_grad()
     def spec_generate(self, target, input_ids, max_new_tokens=2048, stop_token_ids=None, temperature=0.0, **kwargs):
@@ -640,6 +705,10 @@ def install_dflash_dispatch() -> None:
     if getattr(GenerationMixin._get_candidate_generator, "_dflash_dispatch", False):
         return
     _check_transformers_internals()
+    # A documented generate argument: `generate(draft_sampling=...)` updates only fields GenerationConfig has (anything
+    # else is refused as an unused model kwarg); unset, the drafter's default holds (`draft_sampling_mode`).
+    if not hasattr(GenerationConfig, "draft_sampling"):
+        GenerationConfig.draft_sampling = None
     original_validate = GenerationMixin._validate_generation_mode
     original_get = GenerationMixin._get_candidate_generator
 
@@ -686,12 +755,16 @@ def install_dflash_dispatch() -> None:
             )
         drafter = None if other_mode else as_dflash_drafter(assistant_model)
         if drafter is not None:
+            # The target's processors warp sampled drafts as they warp the target's logits; a drafter whose code
+            # predates them (an older checkpoint's remote code) is not handed them.
+            accepts_processors = "logits_processor" in inspect.signature(drafter.make_candidate_generator).parameters
             generator = drafter.make_candidate_generator(
                 target=self,
                 generation_config=generation_config,
                 input_ids=input_ids,
                 model_kwargs=model_kwargs,
                 target_tokenizer=target_tokenizer,
+                **({"logits_processor": logits_processor} if accepts_processors else {}),
             )
             if drafter is not assistant_model:  # an adopted z-lab drafter: its statistics land on the user's object
                 assistant_model.last_stats = drafter.last_stats
@@ -720,8 +793,11 @@ __all__ = [
     "DFlashStats",
     "DraftLengthController",
     "check_drafter_fits_target",
+    "draft_sampling_mode",
     "draft_settings",
     "extract_context_feature",
     "head_argmax",
+    "head_logits",
     "install_dflash_dispatch",
+    "sample_drafts",
 ]

@@ -20,6 +20,7 @@ class PinnedGenerator(DFlashCandidateGenerator):
 
     def _draft(self, input_ids, num_drafts):
         self.real_proposals.append(super()._draft(input_ids, num_drafts))
+        self.round_draft_logits = None  # pinned drafts are no samples of the drafter's q: the loop compares samples
         start = input_ids.shape[1]
         pinned = self.continuation[:, start : start + num_drafts].clone()
         cut = self.cuts(len(self.real_proposals) - 1, pinned.shape[1])

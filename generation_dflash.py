@@ -369,9 +369,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
             drafts, draft_logits = self.drafter.propose(
                 self.lm_head, rows, input_ids[0, -1], self.temperature, self._draft_warp(input_ids)
             )
-        self.round_drafts = drafts[None].to(input_ids.device)
         if draft_logits is not None:
             self.round_draft_logits = draft_logits[None, :num_drafts]
+            # The controller judges the draft after the proposals (and a shadow round's only draft) by equality with
+            # the target's sampled token. A sampled draft equals it with probability sum p*q, well below its chance of
+            # acceptance, sum min(p, q), and would price drafting out; q's argmax, judged as in greedy mode, does not.
+            drafts = torch.cat([drafts[:num_drafts], draft_logits[num_drafts:].argmax(dim=-1).to(drafts.device)])
+        self.round_drafts = drafts[None].to(input_ids.device)
         return self.round_drafts[:, :num_drafts]
 
     def _draft_warp(self, input_ids):

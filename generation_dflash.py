@@ -7,7 +7,7 @@ One speculative round, in the order transformers' assisted-decoding loop runs it
 1. **feed context** (`DFlashCandidateGenerator._collect_context`): the target features of exactly the positions
    committed since the last round (the whole prompt after prefill; anchor + accepted drafts afterwards);
 2. **draft** (`DFlashCandidateGenerator._draft`): embed ``[last token, mask x (B-1)]`` with the target's embedding, run
-   the drafter once, take the argmax of the target's ``lm_head`` on rows ``1..B-1``;
+   the drafter once, take the argmax of the target's ``lm_head`` on rows ``1..B-1`` (or sample them, see 3);
 3. **verify** and 4. **accept**: transformers' loop runs the target on the block and keeps the longest matching prefix
    plus the target's own next token. Greedy: first mismatch. Sampling, ``draft_sampling="sample"``: each draft is
    sampled from the drafter's own distribution q (DFlash: its logits warped by the target's logits processors;
@@ -706,13 +706,14 @@ def install_dflash_dispatch() -> None:
     * ``_get_candidate_generator``: returns the drafter's generator. Other assistants, prompt lookup, early exit,
       MTP and an explicit ``speculation_type="dflash"`` (transformers' built-in generator) are passed through.
     """
+    # A documented generate argument: `generate(draft_sampling=...)` updates only fields GenerationConfig has (anything
+    # else is refused as an unused model kwarg); unset, the drafter's default holds (`draft_sampling_mode`). Registered
+    # even when an older copy of this file installed the dispatch first.
+    if not hasattr(GenerationConfig, "draft_sampling"):
+        GenerationConfig.draft_sampling = None
     if getattr(GenerationMixin._get_candidate_generator, "_dflash_dispatch", False):
         return
     _check_transformers_internals()
-    # A documented generate argument: `generate(draft_sampling=...)` updates only fields GenerationConfig has (anything
-    # else is refused as an unused model kwarg); unset, the drafter's default holds (`draft_sampling_mode`).
-    if not hasattr(GenerationConfig, "draft_sampling"):
-        GenerationConfig.draft_sampling = None
     original_validate = GenerationMixin._validate_generation_mode
     original_get = GenerationMixin._get_candidate_generator
 

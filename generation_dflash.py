@@ -10,14 +10,18 @@ One speculative round, in the order transformers' assisted-decoding loop runs it
 2. **choose size** (`RoundController.choose`): how many drafts, and from where -- the drafter, or prompt lookup when
    its continuation is expected to commit more tokens per second; fixed blocks always propose ``B - 1``;
 3. **draft** (``draft``): for the drafter, one `DFlashDraftHead` call -- embed ``[last token, mask x (B-1)]`` with the
-   target's embedding, run the drafter once, take the argmax of the target's ``lm_head`` on rows ``1..B-1``;
-4. **trim** (``trim``): cut the proposals before one that completes a stop string;
+   target's embedding, run the drafter once, and on rows ``1..B-1`` of the target's ``lm_head`` take the argmax
+   (greedy drafts) or sample (``draft_sampling="sample"``, see 5), returning the draft distribution q when sampled;
+4. **trim** (``trim``): cut the proposals before one that completes a stop string (and q with them);
 5. **verify** and 6. **accept**: transformers' loop runs the target on the block and keeps the longest matching prefix
-   plus the target's own next token. Greedy: first mismatch. Sampling: the generator returns no draft distribution,
-   so the loop samples the target at every position and accepts drafts while they equal the sample -- rejection
-   sampling with a one-hot draft distribution, exact target sampling with the highest acceptance a greedy draft gets.
-   ``update_candidate_strategy`` hands the result to the controller (`RoundController.record_verification`), which
-   also times the rounds for the adaptive block size.
+   plus the target's own next token. Greedy: first mismatch. Sampling, ``draft_sampling="sample"``: each draft is
+   sampled from the drafter's own distribution q (DFlash: its logits warped by the target's logits processors,
+   `sample_drafts`; DFlash2: the path selector), and the generator returns q, so the loop runs rejection sampling
+   against it (accept ``u * q(d) < p(d)``, else resample from ``norm(max(p - q, 0))``). ``draft_sampling="greedy"``:
+   argmax drafts and no draft distribution, so the loop samples the target and accepts drafts while they equal the
+   sample (rejection sampling with a one-hot q). Both are exact target sampling; see `draft_sampling_mode` for the
+   choice. ``update_candidate_strategy`` hands the result to the controller (`RoundController.record_verification`),
+   which also times the rounds for the adaptive block size.
 
 Dispatch: `install_dflash_dispatch` wraps ``GenerationMixin._get_candidate_generator`` (and the mode validation
 before it) so that a DFlash drafter passed as ``assistant_model`` gets `DFlashCandidateGenerator`. Every other
@@ -34,7 +38,7 @@ import torch
 import transformers
 from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.generation import GenerationMixin
+from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
@@ -323,7 +327,7 @@ class DFlashDraftHead(nn.Module):
 
     A module of its own, composing the drafter with the target's embedding and head (no weights of its own), so
     that each round's draft is one call that module hooks (``register_forward_hook``) and profilers see, head included
-    (`head_argmax` may multiply by the head's weight without calling ``lm_head``).
+    (`head_logits` may multiply by the head's weight without calling ``lm_head``).
     """
 
     def __init__(self, drafter, embed_tokens, lm_head):
@@ -332,10 +336,15 @@ class DFlashDraftHead(nn.Module):
         self.draft_device, self.draft_dtype = drafter.device, drafter.dtype
 
     @torch.no_grad()
-    def forward(self, block_ids, context, position_ids, cache, num_rows: int, temperature: float | None = None):
+    def forward(
+        self, block_ids, context, position_ids, cache, num_rows: int, temperature: float | None = None, warp=None
+    ):
         """``block_ids [1, B]`` (anchor, masks), ``context [1, C, F*H]`` (target features not yet in ``cache``),
-        ``position_ids [1, C + B]`` -> ``(drafts [1, M], draft log q [1, M, V] or None)`` for block rows ``1..M``,
-        ``M = num_rows`` (the drafter's `propose`: argmax for DFlash, the path selector for DFlash2)."""
+        ``position_ids [1, C + B]`` -> ``(drafts [1, M], draft logits [1, M, V] or None)`` for block rows ``1..M``,
+        ``M = num_rows``, by the drafter's `propose`: greedy (``temperature`` None) the argmax for DFlash and the
+        greedy path for DFlash2, no q; sampled, drafts drawn from q = ``softmax(draft logits)`` -- for DFlash the
+        logits warped by ``warp`` (the target's logits processors, see `sample_drafts`), else divided by
+        ``temperature``; for DFlash2 the path selector's."""
         drafter, weight = self.drafter, self.lm_head.weight
         noise = drafter.embed_block(self.embed_tokens, block_ids).to(device=self.draft_device, dtype=self.draft_dtype)
         hidden = drafter(
@@ -348,7 +357,7 @@ class DFlashDraftHead(nn.Module):
         # A 2-D [M, H] input: a 3-D slice keeps the stride of the full block in its batch dimension, and
         # torch.matmul then copies the whole transposed lm_head weight on every call (65 ms per round in bf16).
         rows = hidden[0, 1 : 1 + num_rows].to(device=weight.device, dtype=weight.dtype)
-        drafts, draft_logits = drafter.propose(self.lm_head, rows, block_ids[0, 0], temperature)
+        drafts, draft_logits = drafter.propose(self.lm_head, rows, block_ids[0, 0], temperature, warp)
         return drafts[None], None if draft_logits is None else draft_logits[None]
 
 
@@ -363,7 +372,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, drafter, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
+    def __init__(
+        self, drafter, target, generation_config, input_ids, model_kwargs, target_tokenizer=None, logits_processor=None
+    ):
         # The drafter was checked against the target before generation started (`_validate_generation_mode`).
         if input_ids.shape[0] != 1:
             raise ValueError(
@@ -389,8 +400,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # (a partial list there breaks transformers' per-token output splitting).
         capture = True if generation_config.output_hidden_states else [i + 1 for i in self.layer_ids]
         self.model_kwargs_overrides = {"output_hidden_states": capture}
-        # Drafters with a draft distribution (DFlash2) sample their path at the request's temperature and return q.
-        self.temperature = generation_config.temperature if generation_config.do_sample else None
+        # Sampled drafts: the drafter samples at the request's temperature (DFlash also through the target's logits
+        # processors, `sample_drafts`) and returns q; None drafts greedily (argmax, no q).
+        sampled = generation_config.do_sample and draft_sampling_mode(drafter, generation_config) == "sample"
+        self.temperature = generation_config.temperature if sampled else None
+        self.logits_processor = logits_processor
         self.mask_ids = torch.full(
             (1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long, device=input_ids.device
         )
@@ -465,11 +479,27 @@ class DFlashCandidateGenerator(CandidateGenerator):
         position_ids = torch.arange(self.cache.get_seq_length(), anchor + self.block_size, device=device)[None]
         block_ids = torch.cat([input_ids[:, -1:], self.mask_ids], dim=-1)
         num_rows = min(round.num_drafts + 1, self.block_size - 1)
-        drafts, draft_logits = self.draft_head(block_ids, context, position_ids, self.cache, num_rows, self.temperature)
-        round.drafts, round.context_read = drafts.to(input_ids.device), context.shape[1]
+        drafts, draft_logits = self.draft_head(
+            block_ids, context, position_ids, self.cache, num_rows, self.temperature, self._draft_warp(input_ids)
+        )
+        round.context_read = context.shape[1]
         if draft_logits is not None:
+            # The controller judges the draft after the proposals (and a shadow round's only draft) by equality with
+            # the target's sampled token. A sampled draft equals it with probability sum p*q, well below its chance of
+            # acceptance, sum min(p, q), and would price drafting out; q's argmax, judged as in greedy mode, does not.
+            extra = draft_logits[:, round.num_drafts :].argmax(dim=-1).to(drafts.device)
+            drafts = torch.cat([drafts[:, : round.num_drafts], extra], dim=-1)
             draft_logits = draft_logits[:, : round.num_drafts]
+        round.drafts = drafts.to(input_ids.device)
         return round.drafts[:, : round.num_drafts], draft_logits
+
+    def _draft_warp(self, input_ids):
+        """The target's logits processors as the verify step applies them to block position ``t``: on the ids before
+        it, ``input_ids`` plus drafts ``1..t-1`` (see `sample_drafts`); None when drafting greedily or without
+        processors (temperature only)."""
+        if self.temperature is None or self.logits_processor is None:
+            return None
+        return lambda drafts, scores: self.logits_processor(torch.cat([input_ids, drafts[None]], dim=-1), scores)
 
     def trim(self, input_ids, proposals, draft_logits):
         """Trim: keep the proposals short of the first one that completes a stop string, and the draft distribution
@@ -522,6 +552,23 @@ def draft_settings(drafter, generation_config) -> tuple[int, bool]:
     return block_size, adaptive and block_size > 1
 
 
+DRAFT_SAMPLING_MODES = ("greedy", "sample")
+
+
+def draft_sampling_mode(drafter, generation_config) -> str:
+    """How drafts are chosen when ``generate`` samples: ``"sample"`` draws them from the drafter's distribution q and
+    hands q to the verifier, ``"greedy"`` proposes argmax drafts (a one-hot q).
+
+    Per call ``generate(..., draft_sampling="greedy")`` (a `GenerationConfig` field that `install_dflash_dispatch`
+    registers, so ``target.generation_config.draft_sampling`` and a passed ``generation_config`` work too); a call that
+    sets none uses the drafter's default, ``drafter.draft_sampling``.
+    """
+    mode = getattr(generation_config, "draft_sampling", None) or getattr(drafter, "draft_sampling", "greedy")
+    if mode not in DRAFT_SAMPLING_MODES:
+        raise ValueError(f"draft_sampling must be 'greedy' or 'sample', got {mode!r}.")
+    return mode
+
+
 def prompt_lookup(tokens: torch.LongTensor, max_ngram: int, num_tokens: int) -> torch.LongTensor | None:
     """Prompt lookup: find the latest earlier occurrence of the last ``n`` tokens of ``tokens [n_ctx]`` (longest
     ``n <= max_ngram`` first) and return the ``num_tokens`` tokens that followed it, or None.
@@ -541,6 +588,22 @@ def prompt_lookup(tokens: torch.LongTensor, max_ngram: int, num_tokens: int) -> 
     return None
 
 
+def sample_drafts(logits: torch.Tensor, warp) -> tuple[torch.LongTensor, torch.Tensor]:
+    """Sample one draft per row of ``logits [M, V]`` (block rows ``1..M``) -> ``(drafts [M], scores [M, V])``.
+
+    Row ``t`` is warped as the verify step warps the target's logits at that block position, ``warp(drafts[:t],
+    row)`` (float32, ``[1, V]`` in and out), and its draft is drawn from ``softmax(scores[t])``: ``scores`` is the draft
+    distribution q that transformers' rejection sampling reads (``softmax`` of the candidate logits). Processors
+    that read the ids before a position (repetition penalty, n-gram bans, min length) see the drafts before it.
+    """
+    drafts, scores = logits.new_empty(0, dtype=torch.long), []
+    for row in logits.float():
+        warped = warp(drafts, row[None])
+        drafts = torch.cat([drafts, torch.multinomial(warped.softmax(dim=-1), num_samples=1)[0]])
+        scores.append(warped)
+    return drafts, torch.cat(scores)
+
+
 _FASTER_TRANSPOSED: dict[tuple, bool] = {}  # (dtype, rows, weight shape) -> W @ rows.T beats rows @ W.T
 
 
@@ -552,12 +615,16 @@ def head_argmax(lm_head, rows: torch.Tensor) -> torch.LongTensor:
     On CPU, the first call for each (dtype, M, head shape) times both forms once and keeps the faster. A head that
     is not a bias-free ``nn.Linear``, or one on an accelerator, is simply called.
     """
+    return head_logits(lm_head, rows).argmax(dim=-1)
+
+
+def head_logits(lm_head, rows: torch.Tensor) -> torch.Tensor:
+    """``lm_head(rows)`` for a few rows ``[M, H]`` -> ``[M, V]``, in the faster matmul form (see `head_argmax`)."""
     if not _is_plain_cpu_head(lm_head):
-        return lm_head(rows).argmax(dim=-1)
-    weight = lm_head.weight
+        return lm_head(rows)
     if calibrate_head(lm_head, rows.shape[0]):
-        return (weight @ rows.T).argmax(dim=0)
-    return (rows @ weight.T).argmax(dim=-1)
+        return (lm_head.weight @ rows.T).T
+    return rows @ lm_head.weight.T
 
 
 def calibrate_head(lm_head, num_rows: int) -> bool:
@@ -608,9 +675,16 @@ class DFlashDrafterMixin:
     # `generate(max_matching_ngram_size=n)`). A round proposes the lookup's continuation instead of the drafter's
     # block when that is expected to commit more tokens per second.
     prompt_lookup_ngram: int = 3
+    # When sampling: "sample" draws the drafts from the drafter's own distribution q and verifies against it, "greedy"
+    # proposes argmax drafts (see `draft_sampling_mode`; per call: `generate(draft_sampling=...)`). Both are exact.
+    draft_sampling: str = "sample"
 
-    def make_candidate_generator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None):
-        return DFlashCandidateGenerator(self, target, generation_config, input_ids, model_kwargs, target_tokenizer)
+    def make_candidate_generator(
+        self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None, logits_processor=None
+    ):
+        return DFlashCandidateGenerator(
+            self, target, generation_config, input_ids, model_kwargs, target_tokenizer, logits_processor
+        )
 
     def embed_block(self, embed_tokens, block_ids: torch.LongTensor) -> torch.Tensor:
         """Noise embeddings ``[1, B, H]`` of ``block_ids [1, B]``.
@@ -639,15 +713,19 @@ class DFlashDrafterMixin:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def propose(self, lm_head, rows: torch.Tensor, anchor: torch.Tensor, temperature: float | None = None):
-        """Draft tokens from the draft hidden states ``rows [M, H]`` (block rows ``1..M``) -> ``(tokens [M], None)``.
+    def propose(self, lm_head, rows: torch.Tensor, anchor: torch.Tensor, temperature: float | None = None, warp=None):
+        """Draft tokens from the draft hidden states ``rows [M, H]`` (block rows ``1..M``) -> ``(tokens [M],
+        draft_logits [M, V] or None)``.
 
-        DFlash drafts greedily (the argmax of the transformed logits) and has no draft distribution to return;
-        ``anchor`` and ``temperature`` serve drafters that walk a path (DFlash2).
+        ``temperature`` None: greedy drafts, the argmax of the transformed logits, and no draft distribution.
+        Otherwise each draft is sampled from ``q = softmax(draft_logits)``, the transformed logits warped by ``warp``
+        (the target's logits processors, see `sample_drafts`) or, without it, divided by ``temperature``. ``anchor``
+        serves drafters that walk a path (DFlash2).
         """
-        if self._logit_transform() == (None, None):
-            return head_argmax(lm_head, rows), None
-        return self.transform_logits(lm_head(rows)).argmax(dim=-1), None
+        logits = self.transform_logits(head_logits(lm_head, rows))
+        if temperature is None:
+            return logits.argmax(dim=-1), None
+        return sample_drafts(logits, warp or (lambda drafts, scores: scores / temperature))
 
     @torch.no_grad()
     def spec_generate(self, target, input_ids, max_new_tokens=2048, stop_token_ids=None, temperature=0.0, **kwargs):
@@ -738,6 +816,11 @@ def install_dflash_dispatch() -> None:
     * ``_get_candidate_generator``: returns the drafter's generator. Other assistants, prompt lookup, early exit,
       MTP and an explicit ``speculation_type="dflash"`` (transformers' built-in generator) are passed through.
     """
+    # A documented generate argument: `generate(draft_sampling=...)` updates only fields GenerationConfig has (anything
+    # else is refused as an unused model kwarg); unset, the drafter's default holds (`draft_sampling_mode`). Registered
+    # even when an older copy of this file installed the dispatch first.
+    if not hasattr(GenerationConfig, "draft_sampling"):
+        GenerationConfig.draft_sampling = None
     if getattr(GenerationMixin._get_candidate_generator, "_dflash_dispatch", False):
         return
     _check_transformers_internals()
@@ -787,12 +870,16 @@ def install_dflash_dispatch() -> None:
             )
         drafter = None if other_mode else as_dflash_drafter(assistant_model)
         if drafter is not None:
+            # The target's processors warp sampled drafts as they warp the target's logits; a drafter whose code
+            # predates them (an older checkpoint's remote code) is not handed them.
+            accepts_processors = "logits_processor" in inspect.signature(drafter.make_candidate_generator).parameters
             generator = drafter.make_candidate_generator(
                 target=self,
                 generation_config=generation_config,
                 input_ids=input_ids,
                 model_kwargs=model_kwargs,
                 target_tokenizer=target_tokenizer,
+                **({"logits_processor": logits_processor} if accepts_processors else {}),
             )
             if drafter is not assistant_model:  # an adopted z-lab drafter: its statistics land on the user's object
                 assistant_model.last_stats = drafter.last_stats
@@ -824,9 +911,12 @@ __all__ = [
     "DraftRound",
     "RoundController",
     "check_drafter_fits_target",
+    "draft_sampling_mode",
     "draft_settings",
     "extract_context_feature",
     "head_argmax",
+    "head_logits",
     "install_dflash_dispatch",
+    "sample_drafts",
     "sampling_options",
 ]

@@ -165,9 +165,10 @@ class DFlash2DraftModel(DFlashDraftModel):
             init.normal_(module.predecessor_codebook, std=self.config.initializer_range)
             init.normal_(module.successor_codebook, std=self.config.initializer_range)
 
-    def propose(self, lm_head, rows: torch.Tensor, anchor: torch.Tensor, temperature: float | None = None):
+    def propose(self, lm_head, rows: torch.Tensor, anchor: torch.Tensor, temperature: float | None = None, warp=None):
         """Draft hidden states ``rows [M, H]`` -> ``(path [M], draft_logits [M, V] or None)``, see
-        `DFlash2CandidateSelector.walk`. ``temperature`` None: the greedy walk."""
+        `DFlash2CandidateSelector.walk`. ``temperature`` None: the greedy walk. ``warp`` (the target's logits
+        processors) is not applied: the reference's q is ``softmax(S_t / T)`` over the selector's candidates."""
         logits = self.transform_logits(lm_head(rows))  # full vocabulary, the head's dtype, before top-k
         unary, candidates = logits.topk(self.config.selector_top_k, dim=-1, sorted=False)
         device = self.candidate_selector.successor_codebook.device

@@ -19,14 +19,14 @@ class PinnedGenerator(DFlashCandidateGenerator):
         self.real_proposals: list[torch.Tensor] = []
 
     def draft_block(self, input_ids, round):
-        real, draft_logits = super().draft_block(input_ids, round)
+        real, _ = super().draft_block(input_ids, round)
         self.real_proposals.append(real)
         start = input_ids.shape[1]
         pinned = self.continuation[:, start : start + round.num_drafts].clone()
         cut = self.cuts(len(self.real_proposals) - 1, pinned.shape[1])
         if cut < pinned.shape[1]:
             pinned[:, cut] = (pinned[:, cut] + 1) % self.vocab_size
-        return pinned, draft_logits
+        return pinned, None  # pinned drafts are no samples of the drafter's q: the loop compares samples
 
 
 def pin(drafter, continuation, cuts=lambda round_index, n: n):

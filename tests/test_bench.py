@@ -223,20 +223,20 @@ def test_divergence_margin_tells_a_near_tie_from_a_real_difference():
 
 
 def test_draft_phase_covers_the_whole_draft_including_the_head(models, monkeypatch):
-    """The drafter's own hooks nest inside the draft head's: the head's argmax after the drafter forward is draft time
-    too."""
+    """The drafter's own hooks nest inside the draft head's: the head's logits after the drafter forward are draft
+    time too."""
     import time
 
     from dflash_hf import generation_dflash
 
     target, drafter = models
-    real_head_argmax = generation_dflash.head_argmax
+    real_head_logits = generation_dflash.head_logits
 
-    def slow_head_argmax(lm_head, rows):
+    def slow_head_logits(lm_head, rows):
         time.sleep(0.01)
-        return real_head_argmax(lm_head, rows)
+        return real_head_logits(lm_head, rows)
 
-    monkeypatch.setattr(generation_dflash, "head_argmax", slow_head_argmax)
+    monkeypatch.setattr(generation_dflash, "head_logits", slow_head_logits)
     record = profiled_dflash_run(target, drafter)
     drafting_rounds = sum(1 for k in record["proposed_lengths"] if k > 0)
     assert drafting_rounds > 0

@@ -129,3 +129,108 @@ def test_dflash2_sampling_with_its_draft_distribution_follows_target_distributio
     options = dict(do_sample=True, temperature=temperature, top_k=None, top_p=1.0, max_new_tokens=3)
     accepted = check_follows_the_joint(target, drafter, ids, joint, options)
     assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted (0.31 per sample here), so both paths ran
+
+
+# --- DFlash v1 with sampled drafts: q = softmax of the drafter's logits, warped by the target's logits processors ---
+
+
+@pytest.mark.parametrize(
+    ("kind", "head_scale", "temperature", "top_k", "top_p"),
+    [("qwen3", 6.0, 0.7, 0, 1.0), ("llama", 2.0, 1.0, 5, 1.0), ("qwen3", 6.0, 1.3, 0, 0.8)],
+)
+def test_sampled_drafts_with_their_distribution_follow_target_distribution(kind, head_scale, temperature, top_k, top_p):
+    """``draft_sampling="sample"``: every draft is drawn from the drafter's own warped softmax q and transformers'
+    loop accepts it with ``u * q(d) < p(d)``, resampling from ``norm(max(p - q, 0))``. An 8-token vocabulary keeps
+    the exact joint small and q overlapping p, so drafts are both accepted and rejected (the residual is exercised);
+    the head scales keep p peaked enough for 20-50 unpooled chi-square cells. A q off by a row or at another
+    temperature shifts the joint too little for 800 samples to show (tried: x1.4 on q passes here); the next test
+    pins q itself."""
+    target = tiny_target(kind, seed=3, vocab_size=8, head_scale=head_scale)
+    drafter = tiny_drafter(target, block_size=4)
+    ids = random_prompt(4, length=6) % 7 + 1  # no pad id (0) in the prompt
+    joint = exact_joint(target, ids, processors(temperature, top_k, top_p))
+    options = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=top_p, max_new_tokens=3,
+                   draft_sampling="sample")
+    accepted = check_follows_the_joint(target, drafter, ids, joint, options)
+    assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted, so the acceptance rule was exercised
+
+
+def first_verified_round(target, drafter, ids, **options):
+    """``(candidate ids [1, n + k], candidate logits [1, k, V])`` that the first drafted round hands the verifier."""
+    from transformers.generation import utils
+
+    seen, real = [], utils._speculative_sampling
+
+    def recording(candidate_input_ids, candidate_logits, *args, **kwargs):
+        seen.append((candidate_input_ids.clone(), candidate_logits.clone()))
+        return real(candidate_input_ids, candidate_logits, *args, **kwargs)
+
+    utils._speculative_sampling = recording
+    try:
+        target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=12, **options)
+    finally:
+        utils._speculative_sampling = real
+    return seen[0]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_sampled_draft_distribution_is_the_warped_drafter_softmax_at_each_position(kind):
+    """q of draft ``t`` is the hand-written reference drafter's logits of block row ``t + 1``, warped by the target's
+    processors on the ids before that position (temperature, top-k and a repetition penalty, which reads them), and
+    draft ``t`` lies in its support. Fails if q is taken one row off, at another temperature, or unwarped."""
+    from reference import ReferenceDrafter
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    target = tiny_target(kind, seed=5)
+    drafter = tiny_drafter(target, block_size=8)
+    ids = random_prompt(7)
+    torch.manual_seed(0)
+    candidates, draft_logits = first_verified_round(
+        target, drafter, ids, temperature=0.6, top_k=4, repetition_penalty=1.5, draft_sampling="sample"
+    )
+    anchor, num_drafts = ids.shape[1], draft_logits.shape[1]
+    assert num_drafts == 7 and candidates.shape[1] == anchor + 1 + num_drafts
+
+    with torch.no_grad():
+        features = target(ids, output_hidden_states=True).hidden_states
+        context = torch.cat([features[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+        block = torch.tensor([[int(candidates[0, anchor])] + [drafter.config.mask_token_id] * 7])
+        reference = ReferenceDrafter(drafter)
+        hidden = reference(target.get_input_embeddings()(block), context, torch.arange(anchor), torch.arange(anchor, anchor + 8))
+        logits = reference.logits(target.get_output_embeddings().weight, hidden[0, 1:]).float()
+    warp = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5), *processors(0.6, 4, 1.0)])
+    for t in range(num_drafts):
+        expected = warp(candidates[:, : anchor + 1 + t], logits[t : t + 1])[0]
+        got = draft_logits[0, t]
+        assert torch.equal(torch.isinf(got), torch.isinf(expected)), f"draft {t}: another top-k support"
+        finite = ~torch.isinf(expected)
+        torch.testing.assert_close(got[finite], expected[finite], rtol=1e-4, atol=1e-4)
+        assert finite[candidates[0, anchor + 1 + t]], f"draft {t} was not sampled from its own q"
+
+
+def test_draft_sampling_is_chosen_per_call_with_the_drafter_default(tmp_path):
+    """Per call (`generate(draft_sampling=...)`, the target's generation config), else the drafter's default; greedy
+    drafts hand the verifier no distribution (it compares samples), sampled ones their q; a wrong value is refused."""
+    from transformers.generation import utils
+
+    target = tiny_target(seed=5)
+    drafter = tiny_drafter(target, block_size=4)
+    ids = random_prompt(7)
+    handed_q = []
+    real = utils._speculative_sampling
+    utils._speculative_sampling = lambda *args, **kwargs: handed_q.append(True) or real(*args, **kwargs)
+    try:
+        for call, default, expected in [({}, "sample", True), ({}, "greedy", False),
+                                        ({"draft_sampling": "greedy"}, "sample", False),
+                                        ({"draft_sampling": "sample"}, "greedy", True)]:
+            drafter.draft_sampling, handed_q[:] = default, []
+            target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=8, **call)
+            assert bool(handed_q) == expected, (call, default)
+        drafter.draft_sampling, handed_q[:] = "sample", []
+        target.generation_config.draft_sampling = "greedy"
+        target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=8)
+        assert not handed_q
+    finally:
+        utils._speculative_sampling = real
+    with pytest.raises(ValueError, match="draft_sampling must be 'greedy' or 'sample'"):
+        target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=4, draft_sampling="argmax")

@@ -33,9 +33,12 @@ Block size: the same adaptive `DraftLengthController` as the single-sequence pat
 whole batch (a round's cost is measured for this batch size, its acceptance is judged on every active row), falling
 back to plain batched decoding when drafting does not pay. No prompt lookup in the batch path.
 
+The drafter's causal and sliding-window layers get the logical positions of its cached slots
+(``cached_positions``), so its windows count positions, not slots.
+
 Limits (each refused with a clear error): no streamer, no per-token scores/logits/attentions/hidden states in the
-output, targets and drafters with sliding-window or causal drafter layers (the windows would be counted in slots,
-which the holes break), right padding.
+output, no target with sliding-window (or other non-full) attention layers (transformers builds their windows in
+slots, which the holes break), no right padding.
 """
 
 import time
@@ -94,15 +97,6 @@ def check_batch_supported(target, drafter, generation_config, streamer) -> None:
         raise ValueError(
             f"Batched DFlash needs a target with full attention in every layer (this one has "
             f"{sorted(set(layer_types))}): generate one prompt at a time."
-        )
-    config = drafter.config
-    if any(
-        kind == "sliding_attention" and config.sliding_window is not None or config.layer_is_causal(i)
-        for i, kind in enumerate(config.layer_types)
-    ):
-        raise ValueError(
-            "Batched DFlash needs a drafter whose layers are all full, non-causal attention (this one has "
-            "sliding-window or causal layers): generate one prompt at a time."
         )
 
 
@@ -178,6 +172,8 @@ class BatchedDFlashLoop:
         self.anchor = input_ids[:, -1]
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.drafter_cache = DynamicCache()
+        # Positions of the drafter's cached slots, for its causal / sliding-window layers (slots are not positions).
+        self.drafter_positions = self.num_valid.new_zeros((batch, 0))
         self.mask_ids = torch.full((batch, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long,
                                    device=device)
         self.stats = DFlashBatchStats(self.block_size, batch)
@@ -264,7 +260,9 @@ class BatchedDFlashLoop:
             attention_mask=key_mask.to(device),
             past_key_values=self.drafter_cache,
             use_cache=True,
+            cached_positions=self.drafter_positions.to(device),
         ).last_hidden_state
+        self.drafter_positions = torch.cat([self.drafter_positions, context_positions], dim=1)
         judged = min(num_drafts + 1, self.block_size - 1)
         weight = self.lm_head.weight
         rows = hidden[:, 1 : 1 + judged].to(device=weight.device, dtype=weight.dtype)  # [b, k', H]

@@ -219,3 +219,69 @@ def test_right_align():
     tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     aligned = batch_generation_dflash.right_align(tokens, torch.tensor([2, 3]), pad=0)
     assert aligned.tolist() == [[0, 1, 2], [5, 6, 7]]
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(0.7, 8)])
+def test_sampling_follows_each_rows_target_distribution(temperature, top_k, monkeypatch):
+    """Chi-square per row (as `test_sampling`): rows of different lengths sampled together each follow the exact
+    joint distribution of their own first three tokens, while drafts are accepted and rejected."""
+    from collections import Counter
+
+    from test_sampling import NUM_SAMPLES, chi_square_rejects, exact_joint, processors
+
+    target = tiny_target(seed=3)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(3.0)
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [random_prompt(4, length=6), random_prompt(8, length=2)]
+    ids, mask = left_padded(prompts)
+    warp = processors(temperature, top_k, 1.0)
+    joints = [exact_joint(target, p, warp) for p in prompts]
+    pin_batch(monkeypatch, [alone(target, p, 8) for p in prompts], cuts=lambda row, r, n: n)  # greedy paths
+    torch.manual_seed(1234)
+    samples, accepted = [Counter(), Counter()], 0
+    options = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0, max_new_tokens=3)
+    for _ in range(NUM_SAMPLES):
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
+        for row, counter in enumerate(samples):
+            counter[tuple(out[row, ids.shape[1] :].tolist())] += 1
+        accepted += sum(a - 1 for a in drafter.last_stats.acceptance_lengths)
+    for row, (counter, joint) in enumerate(zip(samples, joints)):
+        rejects, statistic, critical = chi_square_rejects(counter, joint, NUM_SAMPLES)
+        assert not rejects, f"row {row}: chi2 {statistic:.1f} > {critical:.1f}"
+    assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted, so the acceptance rule was exercised
+
+
+@pytest.mark.parametrize("window", [2048, 6])
+def test_a_dflash2_drafter_with_causal_sliding_layers_drafts_row_by_row(tmp_path, window):
+    """DFlash2 walks a path per row (`propose` row by row); its causal, sliding-window layers must count positions,
+    not cache slots (holes and left padding would otherwise hide or expose the wrong context)."""
+    from published import dflash2_config, write_checkpoint
+
+    from dflash_hf import DFlash2DraftModel
+
+    target = tiny_target(seed=3)
+    folder = write_checkpoint(tmp_path / "d2", dflash2_config(target, block_size=4, window=window, is_causal=True), seed=2)
+    drafter = DFlash2DraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    drafter.adaptive_block_size = False
+    assert drafter.config.layer_is_causal(0)
+    prompts = [random_prompt(80 + i, length) for i, length in enumerate((2, 19, 8))]
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    assert_rows_equal_alone(target, out, ids, prompts, 20)
+    seen = []  # the drafter's output rows handed to `propose`, call by call
+    propose = drafter.propose
+    drafter.propose = lambda lm_head, rows, *args: seen.append(rows.clone()) or propose(lm_head, rows, *args)
+    alone_rows = []
+    for prompt in prompts:  # the batched drafter computes what it computes for the prompt alone
+        seen.clear()
+        target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+        alone_rows.append(list(seen))
+    seen.clear()
+    target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    for i, expected in enumerate(alone_rows):  # batched calls go row 0, 1, 2 in every round
+        batched = seen[i :: len(prompts)]
+        assert len(expected) > 3
+        for round_index, (mine, theirs) in enumerate(zip(batched, expected)):
+            n = min(mine.shape[0], theirs.shape[0])
+            torch.testing.assert_close(mine[:n], theirs[:n], atol=1e-4, rtol=1e-4, msg=f"row {i}, round {round_index}")

@@ -559,10 +559,12 @@ class DFlashDrafterMixin:
 
     @torch.no_grad()
     def spec_generate(self, target, input_ids, max_new_tokens=2048, stop_token_ids=None, temperature=0.0, **kwargs):
-        """z-lab's API: speculative generation of ``input_ids [1, n]`` -> ``[1, n + m]`` with the same round logic.
+        """z-lab's API: speculative generation of ``input_ids [b, n]`` -> ``[b, n + m]`` with the same round logic.
 
         ``temperature < 1e-5`` is greedy; otherwise plain temperature sampling (no top-k/top-p), as the reference.
-        Generation ends after the first token in ``stop_token_ids`` (inclusive).
+        Generation ends after the first token in ``stop_token_ids`` (inclusive). A batch (``b > 1``) is left-padded
+        with its ``attention_mask`` passed along (``kwargs`` go to ``generate``); rows that end early are padded with
+        ``pad_token_id`` (default: the first stop token).
         """
         sampling = temperature >= 1e-5
         options = dict(max_new_tokens=max_new_tokens, do_sample=sampling, assistant_model=self)

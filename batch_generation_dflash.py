@@ -45,6 +45,12 @@ import time
 
 import torch
 from transformers.cache_utils import DynamicCache
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .generation_dflash import (
@@ -55,6 +61,10 @@ from .generation_dflash import (
     draft_settings,
     extract_context_feature,
 )
+
+
+# Logits processors that read the scores only, never the tokens: applied to every block position at once.
+_SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
 class DFlashBatchStats(DFlashStats):
@@ -377,17 +387,30 @@ class BatchedDFlashLoop:
         self.pending.append((extract_context_feature(hidden_states, self.layer_ids), valid, positions))
 
     def _processed_scores(self, proposals, logits):
-        """The logits processors at every block position, each on the row's own prefix (committed + drafts before
-        it), right-aligned as in plain batched generation -> ``[b, k + 1, V]``."""
-        if not len(self.logits_processor):
-            return logits
-        full = torch.cat([self.sequences, proposals.new_full((self.batch, proposals.shape[1]), self.pad)], dim=1)
-        full.scatter_(1, self.lengths[:, None] + torch.arange(proposals.shape[1], device=self.device), proposals)
-        return torch.stack(
-            [self.logits_processor(right_align(full, self.lengths + j, self.pad), logits[:, j]) for j in
-             range(logits.shape[1])],
-            dim=1,
-        )
+        """The logits processors at every block position of every active row -> ``[b, k + 1, V]``.
+
+        Processors that read only the scores (temperature, top-k/p, ...) run once on all positions. Any other one is
+        shown, for each row and position, the row's own prefix (left-padded prompt, its generated tokens, the drafts
+        before the position: what plain batched generation shows that row at that step), in a batch of the real size
+        (processors may hold per-row state, e.g. the prompt padding the repetition penalty skips); the row's own line
+        of the result is kept.
+        """
+        scores = logits
+        rows = (~self.done).nonzero().flatten().tolist()
+        for processor in self.logits_processor:
+            if isinstance(processor, _SCORES_ONLY):
+                flat = scores.reshape(-1, scores.shape[-1])
+                scores = processor(flat.new_zeros((flat.shape[0], 1), dtype=torch.long), flat).view(scores.shape)
+                continue
+            processed = scores.clone()
+            for i in rows:
+                length = int(self.lengths[i])
+                row = torch.cat([self.sequences[i, :length], proposals[i]])
+                for j in range(scores.shape[1]):
+                    prefix = row[None, : length + j].expand(self.batch, -1)
+                    processed[i, j] = processor(prefix, scores[i : i + 1, j].expand(self.batch, -1))[i]
+            scores = processed
+        return scores
 
     def _pick(self, scores):
         """The target's token at every position of ``scores [b, n, V]``: argmax, or a sample (``[b, n]``)."""

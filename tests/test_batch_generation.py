@@ -285,3 +285,21 @@ def test_a_dflash2_drafter_with_causal_sliding_layers_drafts_row_by_row(tmp_path
         for round_index, (mine, theirs) in enumerate(zip(batched, expected)):
             n = min(mine.shape[0], theirs.shape[0])
             torch.testing.assert_close(mine[:n], theirs[:n], atol=1e-4, rtol=1e-4, msg=f"row {i}, round {round_index}")
+
+
+def test_logits_processors_see_each_rows_own_prefix(target, monkeypatch):
+    """Rows that have committed different numbers of tokens get processors (repetition penalty, min_new_tokens) on
+    their own prefix, as plain generation shows them."""
+    drafter = tiny_drafter(target, block_size=6)
+    prompts = [random_prompt(90 + i, length) for i, length in enumerate((4, 13, 8))]
+    ids, mask = left_padded(prompts)
+    options = dict(repetition_penalty=1.3, pad_token_id=PAD)
+    free = [alone(target, p, 40, **options) for p in prompts]
+    eos = int(free[1][2])  # row 1 would stop at its 3rd token: min_new_tokens keeps it going
+    options.update(eos_token_id=eos, min_new_tokens=12)
+    continuations = [alone(target, p, 40, **options) for p in prompts]
+    pin_batch(monkeypatch, continuations, cuts=lambda row, r, n: (n, 0, 2)[row])  # rows drift apart in length
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                          **options)  # fmt: skip
+    assert_rows_equal_alone(target, out, ids, prompts, 40, **options)
+    assert len({sum(row.acceptance_lengths) for row in drafter.last_stats.rows}) > 1 or bool((out == PAD).any())

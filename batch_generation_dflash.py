@@ -156,7 +156,8 @@ class BatchedDFlashLoop:
         self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         # Plain DFlash drafts every row independently (one head matmul for the whole batch); drafters that walk a
         # path (DFlash2) propose row by row.
-        self.row_by_row = type(drafter).propose is not DFlashDrafterMixin.propose
+        # (By name: a checkpoint's remote code has its own copy of the mixin.)
+        self.row_by_row = type(drafter).propose.__qualname__ != DFlashDrafterMixin.propose.__qualname__
         self.cache = cache
 
         batch, prompt_len = input_ids.shape

@@ -303,3 +303,34 @@ def test_logits_processors_see_each_rows_own_prefix(target, monkeypatch):
                           **options)  # fmt: skip
     assert_rows_equal_alone(target, out, ids, prompts, 40, **options)
     assert len({sum(row.acceptance_lengths) for row in drafter.last_stats.rows}) > 1 or bool((out == PAD).any())
+
+
+def test_dflash2_sampling_with_its_draft_distribution_follows_each_rows_target_distribution(tmp_path):
+    """DFlash2 hands q to the verifier: each row runs rejection sampling against it (accept u * q(d) < p(d), else
+    resample from norm(max(p - q, 0))) over its own drafts; chi-square per row on an 8-token vocabulary."""
+    from collections import Counter
+
+    from published import dflash2_config, write_checkpoint
+    from test_sampling import NUM_SAMPLES, chi_square_rejects, exact_joint, processors
+
+    from dflash_hf import DFlash2DraftModel
+
+    target = tiny_target(seed=3, vocab_size=8)
+    folder = write_checkpoint(tmp_path / "d2", dflash2_config(target, block_size=4), seed=2)
+    drafter = DFlash2DraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    drafter.adaptive_block_size = False
+    prompts = [random_prompt(4, length=6) % 7 + 1, random_prompt(5, length=3) % 7 + 1]  # no pad id (0) inside
+    ids, mask = left_padded(prompts)
+    joints = [exact_joint(target, p, processors(0.7, 0, 1.0)) for p in prompts]
+    options = dict(do_sample=True, temperature=0.7, top_k=None, top_p=1.0, max_new_tokens=3)
+    torch.manual_seed(1234)
+    samples, accepted = [Counter(), Counter()], 0
+    for _ in range(NUM_SAMPLES):
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
+        for row, counter in enumerate(samples):
+            counter[tuple(out[row, ids.shape[1] :].tolist())] += 1
+        accepted += sum(a - 1 for a in drafter.last_stats.acceptance_lengths)
+    for row, (counter, joint) in enumerate(zip(samples, joints)):
+        rejects, statistic, critical = chi_square_rejects(counter, joint, NUM_SAMPLES)
+        assert not rejects, f"row {row}: chi2 {statistic:.1f} > {critical:.1f}"
+    assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted, so both the acceptance and residual ran

@@ -1,0 +1,54 @@
+"""Write the prompt files of the committed corpora from `dflash-hf prepare`'s datasets (~/.cache/dflash-hf/datasets).
+
+    python scripts/corpus_prompts.py OUT_DIR
+
+* ``sharegpt.jsonl``: ShareGPT first turns among entries 0-9999 with 20-1200 characters, sorted by length (the
+  corpus in ``dflash_hf/corpora/*/sharegpt`` holds the answers to the first 1,728);
+* ``code.jsonl``: the code requests among the rest of them (ASCII, a programming word or code in the turn), in the
+  same order (``corpora/*/code``);
+* ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``).
+
+Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+DATASETS = Path.home() / ".cache" / "dflash-hf" / "datasets"
+SHAREGPT_USED = 1728  # prompts of sharegpt.jsonl answered in the committed ShareGPT corpus
+CODE_WORDS = re.compile(
+    r"\b(python|javascript|typescript|java|c\+\+|c#|sql|html|css|react|node|function|code|script|regex|bash|api|"
+    r"json|class|golang|rust|php|django|flask|pandas|numpy)\b|```|def |import ",
+    re.IGNORECASE,
+)
+
+
+def read(name: str) -> list[dict]:
+    with open(DATASETS / name) as f:
+        return [json.loads(line) for line in f]
+
+
+def write(path: Path, entries: list[dict]) -> None:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in entries)
+    print(f"{path}: {len(entries)} prompts")
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    sharegpt = [e for e in read("sharegpt.jsonl")[:10000] if 20 <= len(e["turns"][0]) <= 1200]
+    sharegpt.sort(key=lambda e: len(e["turns"][0]))  # stable: ties keep the dataset's order
+    write(out / "sharegpt.jsonl", sharegpt)
+    rest = sharegpt[SHAREGPT_USED:]
+    write(out / "code.jsonl", [e for e in rest if e["turns"][0].isascii() and CODE_WORDS.search(e["turns"][0])])
+    gsm8k = read("gsm8k.jsonl")[:1000]
+    assert gsm8k[-1]["id"] == "gsm8k/999", "prepare's gsm8k.jsonl is GSM8K test in order"
+    write(out / "gsm8k.jsonl", gsm8k)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python scripts/corpus_prompts.py OUT_DIR")
+    main(Path(sys.argv[1]))

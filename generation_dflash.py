@@ -678,6 +678,9 @@ class DFlashDrafterMixin:
     # When sampling: "sample" draws the drafts from the drafter's own distribution q and verifies against it, "greedy"
     # proposes argmax drafts (see `draft_sampling_mode`; per call: `generate(draft_sampling=...)`). Both are exact.
     draft_sampling: str = "sample"
+    # Batches of at least this many rows run the batched loop (`batch_generation_dflash`); smaller ones run
+    # transformers' assisted loop with `DFlashCandidateGenerator`. 1 sends single prompts there too (tests).
+    batched_from: int = 2
 
     def make_candidate_generator(
         self, target, generation_config, input_ids, model_kwargs, target_tokenizer=None, logits_processor=None
@@ -729,10 +732,12 @@ class DFlashDrafterMixin:
 
     @torch.no_grad()
     def spec_generate(self, target, input_ids, max_new_tokens=2048, stop_token_ids=None, temperature=0.0, **kwargs):
-        """z-lab's API: speculative generation of ``input_ids [1, n]`` -> ``[1, n + m]`` with the same round logic.
+        """z-lab's API: speculative generation of ``input_ids [b, n]`` -> ``[b, n + m]`` with the same round logic.
 
         ``temperature < 1e-5`` is greedy; otherwise plain temperature sampling (no top-k/top-p), as the reference.
-        Generation ends after the first token in ``stop_token_ids`` (inclusive).
+        Generation ends after the first token in ``stop_token_ids`` (inclusive). A batch (``b > 1``) is left-padded
+        with its ``attention_mask`` passed along (``kwargs`` go to ``generate``); rows that end early are padded with
+        ``pad_token_id`` (default: the first stop token).
         """
         options = dict(max_new_tokens=max_new_tokens, assistant_model=self)
         options |= sampling_options(temperature if temperature >= 1e-5 else 0.0)
@@ -790,13 +795,23 @@ _ADOPTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # z-lab's m
 _EXPECTED_PARAMETERS = ("generation_config", "input_ids", "logits_processor", "model_kwargs", "assistant_model")
 
 
+def _other_assisted_mode(generation_config) -> bool:
+    """Whether the call asks for another assisted mode (transformers' own DFlash, prompt lookup, early exit, MTP)."""
+    return (
+        generation_config.speculation_type == "dflash"
+        or generation_config.prompt_lookup_num_tokens is not None
+        or generation_config.assistant_early_exit is not None
+        or getattr(generation_config, "use_mtp", False)
+    )
+
+
 def _check_transformers_internals() -> None:
     """The dispatch leans on private generation internals: fail loudly if they moved."""
     parameters = inspect.signature(GenerationMixin._get_candidate_generator).parameters
     missing = [p for p in _EXPECTED_PARAMETERS if p not in parameters]
-    if missing or not hasattr(GenerationMixin, "_validate_generation_mode") or not hasattr(
-        CandidateGenerator, "update_candidate_strategy"
-    ):
+    if missing or not all(
+        hasattr(GenerationMixin, name) for name in ("_validate_generation_mode", "_assisted_decoding")
+    ) or not hasattr(CandidateGenerator, "update_candidate_strategy"):
         raise RuntimeError(
             f"dflash-hf supports transformers {SUPPORTED_TRANSFORMERS}, but transformers {transformers.__version__} "
             f"changed the assisted-generation internals it hooks into (missing: {missing or 'hooks'}). "
@@ -814,7 +829,9 @@ def install_dflash_dispatch() -> None:
     * ``_validate_generation_mode``: checks the drafter against the target with errors that name the fix, before
       transformers' generic vocabulary check;
     * ``_get_candidate_generator``: returns the drafter's generator. Other assistants, prompt lookup, early exit,
-      MTP and an explicit ``speculation_type="dflash"`` (transformers' built-in generator) are passed through.
+      MTP and an explicit ``speculation_type="dflash"`` (transformers' built-in generator) are passed through;
+    * ``_assisted_decoding``: a batch (``drafter.batched_from`` rows or more) runs the batched loop of
+      ``batch_generation_dflash`` instead of transformers' one-sequence loop.
     """
     # A documented generate argument: `generate(draft_sampling=...)` updates only fields GenerationConfig has (anything
     # else is refused as an unused model kwarg); unset, the drafter's default holds (`draft_sampling_mode`). Registered
@@ -826,6 +843,20 @@ def install_dflash_dispatch() -> None:
     _check_transformers_internals()
     original_validate = GenerationMixin._validate_generation_mode
     original_get = GenerationMixin._get_candidate_generator
+    original_assisted = GenerationMixin._assisted_decoding
+
+    def _assisted_decoding(self, input_ids, *args, generation_config=None, assistant_model=None, **kwargs):
+        drafter = None if _other_assisted_mode(generation_config) else as_dflash_drafter(assistant_model)
+        if drafter is not None and input_ids.shape[0] >= getattr(drafter, "batched_from", 2):
+            from .batch_generation_dflash import batched_dflash_decoding  # the batched loop (a sibling file)
+
+            return batched_dflash_decoding(
+                self, drafter, input_ids, *args, generation_config=generation_config, assistant_model=assistant_model,
+                **kwargs,
+            )
+        return original_assisted(
+            self, input_ids, *args, generation_config=generation_config, assistant_model=assistant_model, **kwargs
+        )
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
         assistant = as_dflash_drafter(generation_mode_kwargs.get("assistant_model"))
@@ -856,12 +887,7 @@ def install_dflash_dispatch() -> None:
         target_tokenizer=None,
         assistant_tokenizer=None,
     ):
-        other_mode = (
-            generation_config.speculation_type == "dflash"
-            or generation_config.prompt_lookup_num_tokens is not None
-            or generation_config.assistant_early_exit is not None
-            or getattr(generation_config, "use_mtp", False)
-        )
+        other_mode = _other_assisted_mode(generation_config)
         if not other_mode and type(assistant_model).__name__ == "MuseGlimmerAssistantModel":
             raise ValueError(
                 "transformers' built-in DFlash drafter (MuseGlimmerAssistantModel) runs with its own generator: pass "
@@ -899,6 +925,7 @@ def install_dflash_dispatch() -> None:
     _get_candidate_generator._dflash_dispatch = True
     GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._assisted_decoding = _assisted_decoding
 
 
 __all__ = [

@@ -241,6 +241,7 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
         noise_embeds: torch.Tensor | None = None,
         context_hidden_states: torch.Tensor | None = None,
         cache: Cache | None = None,
+        cached_positions: torch.LongTensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         r"""
@@ -256,6 +257,8 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
             every block row sees every key. Sliding-window layers add their window to it.
         noise_embeds, context_hidden_states, cache: the built-in generator's names (``cache`` is what
             transformers 5.24 calls ``past_key_values``).
+        cached_positions (`[b, cache]`): absolute positions of the cached keys, for causal and sliding-window layers;
+            defaults to ``arange(cache)`` (a cache fed in position order; the batched loop's cache has holes).
         """
         cache_block = noise_embeds is not None  # transformers' built-in contract: it crops the block itself
         past_key_values = past_key_values if past_key_values is not None else cache
@@ -272,7 +275,7 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
             position_ids = torch.arange(past_len, past_len + context.shape[1] + noise.shape[1], device=noise.device)
             position_ids = position_ids.unsqueeze(0).expand(noise.shape[0], -1)
         position_embeddings = self.rotary_emb(noise, position_ids)
-        masks = self._layer_masks(attention_mask, position_ids, past_len, noise)
+        masks = self._layer_masks(attention_mask, position_ids, past_len, noise, cached_positions)
 
         hidden_states = noise
         for layer, mask in zip(self.layers, masks):
@@ -288,7 +291,7 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
         outputs = {"last_hidden_state": self.norm(hidden_states), _OUTPUT_CACHE_FIELD: past_key_values}
         return BaseModelOutputWithPast(**outputs)
 
-    def _layer_masks(self, attention_mask, position_ids, past_len, noise) -> list:
+    def _layer_masks(self, attention_mask, position_ids, past_len, noise, cached_positions=None) -> list:
         """One mask per layer: the caller's mask AND-ed with the layer's position rule (`_position_rule`: causal
         and/or windowed, see `DFlashConfig.layer_is_causal`). Each distinct mask is built once (additive tensors, or
         ``BlockMask`` when the caller passed one); ``None`` where nothing is masked."""
@@ -298,7 +301,10 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
             for i, kind in enumerate(self.config.layer_types)
         ]
         if isinstance(attention_mask, BlockMask):
-            built = {kind: self._restricted_block_mask(attention_mask, position_ids, past_len, *kind) for kind in set(kinds)}
+            built = {
+                kind: self._restricted_block_mask(attention_mask, position_ids, past_len, *kind, cached_positions)
+                for kind in set(kinds)
+            }
             return [built[kind] for kind in kinds]
 
         allowed = None  # boolean [b, 1, Q, K], True = may attend
@@ -306,7 +312,7 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
             allowed = attention_mask[:, None, None, :].bool()
         elif attention_mask is not None and attention_mask.dim() == 4:
             allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        query_positions, key_positions = _query_key_positions(position_ids, past_len, noise.shape[1])
+        query_positions, key_positions = _query_key_positions(position_ids, past_len, noise.shape[1], cached_positions)
         distance = query_positions[:, None, :, None] - key_positions[:, None, None, :]  # [b, 1, Q, K]: q - k
         built = {}
         for kind in set(kinds):
@@ -317,12 +323,13 @@ class DFlashDraftModel(DFlashDrafterMixin, Qwen3PreTrainedModel):
             built[kind] = None if combined is None else _additive(combined, noise.dtype)
         return [built[kind] for kind in kinds]
 
-    def _restricted_block_mask(self, block_mask: BlockMask, position_ids, past_len, sliding, causal) -> BlockMask:
+    def _restricted_block_mask(self, block_mask: BlockMask, position_ids, past_len, sliding, causal,
+                               cached_positions=None) -> BlockMask:
         """FlexAttention: the caller's ``BlockMask`` AND-ed with the layer's position rule."""
         if not sliding and not causal:
             return block_mask
         q_len, kv_len = block_mask.shape[-2:]
-        query_positions, key_positions = _query_key_positions(position_ids, past_len, q_len)
+        query_positions, key_positions = _query_key_positions(position_ids, past_len, q_len, cached_positions)
         window = self.config.sliding_window
 
         def position_rule(b, h, q_idx, kv_idx):
@@ -422,10 +429,12 @@ def adopt_remote_drafter(model) -> "DFlashDraftModel":
     return drafter.train(model.training)
 
 
-def _query_key_positions(position_ids, past_len: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _query_key_positions(position_ids, past_len: int, q_len: int, cached=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute positions of the block's queries ``[b, Q]`` and of every key ``[b, cache + C + Q]``. The cached
-    context always covers positions ``[0, past_len)``: the generator feeds it in order."""
-    cached = torch.arange(past_len, device=position_ids.device).expand(position_ids.shape[0], -1)
+    context covers positions ``[0, past_len)`` (the single-sequence generator feeds it in order) unless ``cached``
+    ``[b, past_len]`` gives them."""
+    if cached is None:
+        cached = torch.arange(past_len, device=position_ids.device).expand(position_ids.shape[0], -1)
     return position_ids[:, -q_len:], torch.cat([cached, position_ids], dim=1)
 
 

@@ -496,6 +496,102 @@ def run_suite(target, prompts: list[BenchPrompt], drafter=None, methods=ALL_METH
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Batches: throughput of the whole batch, plain batched greedy vs DFlash (``bench --batch-size N``)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def left_pad(rows: list[torch.LongTensor], pad_token_id: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """``[1, n_i]`` prompts -> ``(input_ids [b, max n], attention_mask)``, left-padded as
+    ``tokenizer(..., padding=True, padding_side="left")`` does."""
+    width = max(row.shape[-1] for row in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - row.shape[-1] :], mask[i, width - row.shape[-1] :] = row.reshape(-1), 1
+    return ids, mask
+
+
+def generated_tokens(output: torch.LongTensor, prompt_width: int, eos_ids) -> int:
+    """New tokens of every row of ``output``, each up to and including its first EOS (the padding after it is not
+    generated)."""
+    total = 0
+    for row in output[:, prompt_width:]:
+        stops = torch.isin(row, torch.as_tensor(eos_ids)).nonzero() if eos_ids else torch.empty(0)
+        total += int(stops[0]) + 1 if len(stops) else row.shape[0]
+    return total
+
+
+def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size: int, max_new_tokens=128, repeats=1,
+                        pad_token_id=0, generate_kwargs=None, progress=True) -> dict:
+    """Tokens per second of the whole batch, plain batched greedy vs DFlash on the same left-padded batches of
+    ``batch_size`` consecutive prompts, interleaved (order rotated per repeat, one untimed warm-up call each).
+
+    Returns ``{"batch_size", "runs": [...], "summary": {method: {"tokens", "seconds", "tok_s"}, "speedup",
+    "rows_equal", "rows", "tau"}}``; ``rows_equal`` counts DFlash rows identical to plain batched greedy's.
+    """
+    eos = target.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    options = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
+    methods = {"greedy": {}, "dflash": dict(assistant_model=drafter, **(generate_kwargs or {}))}
+    groups = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    runs, rows_equal, rows, taus = [], 0, 0, []
+    warm = False
+    for index, group in enumerate(groups):
+        ids, mask = left_pad([p.input_ids for p in group], pad_token_id)
+        if not warm:
+            for kwargs in methods.values():
+                with torch.no_grad():
+                    target.generate(ids, attention_mask=mask, **dict(options, max_new_tokens=4), **kwargs)
+            warm = True
+        outputs = {}
+        for repeat in range(repeats):
+            names = list(methods)
+            names = names[(index + repeat) % 2 :] + names[: (index + repeat) % 2]
+            for name in names:
+                start = time.perf_counter()
+                with torch.no_grad():
+                    output = target.generate(ids, attention_mask=mask, **options, **methods[name])
+                seconds = time.perf_counter() - start
+                outputs[name] = output
+                tokens = generated_tokens(output, ids.shape[1], eos_ids)
+                runs.append({"group": index, "repeat": repeat, "method": name, "tokens": tokens, "seconds": seconds})
+                if name == "dflash":
+                    taus.append(drafter.last_stats.mean_acceptance_length)
+        width = ids.shape[1]
+        plain, ours = outputs["greedy"][:, width:], outputs["dflash"][:, width:]
+        for i in range(len(group)):
+            n = min(plain.shape[1], ours.shape[1])
+            rows += 1
+            rows_equal += bool(torch.equal(plain[i, :n], ours[i, :n]))
+        if progress:
+            print(f"batch {index + 1}/{len(groups)} done", flush=True)
+    summary = {}
+    for name in methods:
+        tokens = sum(r["tokens"] for r in runs if r["method"] == name)
+        seconds = sum(r["seconds"] for r in runs if r["method"] == name)
+        summary[name] = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds if seconds else 0.0}
+    summary["speedup"] = summary["dflash"]["tok_s"] / summary["greedy"]["tok_s"] if summary["greedy"]["tok_s"] else 0
+    summary.update(rows_equal=rows_equal, rows=rows, tau=statistics.fmean(taus) if taus else 0.0)
+    return {"batch_size": batch_size, "max_new_tokens": max_new_tokens, "repeats": repeats, "runs": runs,
+            "summary": summary, "machine": machine_info(target.dtype)}
+
+
+def batch_report(result: dict) -> str:
+    """A Markdown table of `run_batch_benchmark`'s summary."""
+    s = result["summary"]
+    return "\n".join([
+        f"batch size {result['batch_size']}, {result['max_new_tokens']} new tokens, {result['repeats']} repeat(s), "
+        f"{s['rows']} rows ({s['rows_equal']} identical to plain batched greedy), tau {s['tau']:.2f}",
+        "",
+        "| method | tokens | seconds | tokens/s |",
+        "|---|---|---|---|",
+        *(f"| {m} | {s[m]['tokens']} | {s[m]['seconds']:.2f} | {s[m]['tok_s']:.1f} |" for m in ("greedy", "dflash")),
+        "",
+        f"speedup (DFlash / plain batched greedy): {s['speedup']:.2f}x",
+    ])
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Machine
 # ---------------------------------------------------------------------------------------------------------------
 

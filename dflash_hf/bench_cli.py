@@ -42,6 +42,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--verify-repeats", type=COUNT, default=7, help="repeats for r(k) (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results", help="output folder (default: %(default)s)")
+    p.add_argument("--batch-size", type=COUNT,
+                   help="tokens/s of whole left-padded batches of this many prompts, plain batched greedy vs DFlash "
+                   "(greedy only; writes bench-batch.json) instead of the per-prompt benchmark")
     p.add_argument("--quick", action="store_true",
                    help="smoke run under 3 minutes: 2 prompts per dataset, 32 new tokens, 1 repeat")
     p.set_defaults(func=run_bench)
@@ -70,6 +73,9 @@ def run_bench(args) -> None:
     draft_name = args.draft or "default"
     block_size = (args.block_size or drafter.config.block_size) if drafter is not None else None
     prompts = load_bench_prompts(tokenizer, args.datasets.split(","), args.num_prompts, chat=not args.no_chat)
+    if args.batch_size:
+        run_batch_bench(args, target, tokenizer, drafter, prompts, block_size)
+        return
     config = {"target": target_name, "drafter": draft_name, "block_size": block_size,
               "chat": not args.no_chat, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result = run_suite(target, prompts, drafter, methods, args.max_new_tokens, args.repeats, args.temperature,
@@ -100,3 +106,28 @@ def load_bench_prompts(tokenizer, datasets, limit, chat=True):
         prompts += [BenchPrompt(name, str(r["id"]), encode_chat(tokenizer, r["turns"], chat=chat)["input_ids"])
                     for r in records]
     return prompts
+
+
+def run_batch_bench(args, target, tokenizer, drafter, prompts, block_size) -> None:
+    """``bench --batch-size N``: `bench.run_batch_benchmark` on the loaded prompts; bench-batch.json + a table."""
+    import json
+    from pathlib import Path
+
+    from .bench import batch_report, run_batch_benchmark
+
+    if drafter is None or args.temperature > 0:
+        raise DFlashUserError("--batch-size compares greedy DFlash with plain batched greedy: it needs a drafter "
+                              "(--methods with dflash) and --temperature 0")
+    if tokenizer.pad_token_id is None:
+        raise DFlashUserError("--batch-size pads prompts on the left: the target's tokenizer needs a pad token")
+    extra = {"num_assistant_tokens": block_size - 1} if args.block_size else {}
+    result = run_batch_benchmark(target, prompts, drafter, args.batch_size, args.max_new_tokens, args.repeats,
+                                 pad_token_id=tokenizer.pad_token_id, generate_kwargs=extra)
+    result["config"] = {"target": args.target or "default", "drafter": args.draft or "default",
+                        "datasets": args.datasets, "dtype": args.dtype, "threads": args.threads,
+                        "block_size": block_size, "adaptive": not args.block_size}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench-batch.json").write_text(json.dumps(result, indent=1))
+    print(batch_report(result))
+    print(f"json: {out / 'bench-batch.json'}")

@@ -28,7 +28,13 @@ from .modeling_dflash import DFlashDraftModel
 MODEL_CARD_TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 
 # The remote code every dflash-hf checkpoint carries (``auto_map`` names them); one source, at the repository root.
-REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "modeling_dflash2.py", "generation_dflash.py")
+REMOTE_CODE_FILES = (
+    "configuration_dflash.py",
+    "modeling_dflash.py",
+    "modeling_dflash2.py",
+    "generation_dflash.py",
+    "batch_generation_dflash.py",
+)
 
 # z-lab name prefix -> transformers built-in (MuseGlimmerAssistantModel) name prefix; every other name is shared.
 _TO_BUILTIN = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}

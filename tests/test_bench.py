@@ -276,3 +276,20 @@ def test_prediction_charges_each_round_its_own_verify_size():
     model = _cost_model(row, greedy, curve)
     assert model["r_rounds"] == pytest.approx(1.25)
     assert model["predicted_speedup"] == pytest.approx(2.0 / (1.25 + 2.0 / 40.0))
+
+
+def test_batch_benchmark_times_whole_batches_and_checks_every_row(models):
+    from dflash_hf.bench import batch_report, generated_tokens, run_batch_benchmark
+
+    target, drafter = models
+    generator = torch.Generator().manual_seed(3)
+    batch_prompts = [BenchPrompt("toy", str(i), torch.randint(4, VOCAB, (1, 3 + 5 * i), generator=generator))
+                     for i in range(3)]
+    result = run_batch_benchmark(target, batch_prompts, drafter, batch_size=2, max_new_tokens=8, progress=False)
+    summary = result["summary"]
+    assert summary["rows"] == summary["rows_equal"] == 3  # batches of 2 and 1, every row identical
+    assert summary["greedy"]["tokens"] == summary["dflash"]["tokens"] == 3 * 8
+    assert len(result["runs"]) == 4 and summary["speedup"] > 0
+    assert "| dflash | 24 |" in batch_report(result)
+    rows = torch.tensor([[9, 9, 5, 2, 0, 0], [9, 9, 5, 6, 7, 8]])  # prompt width 2, EOS 2 then padding
+    assert generated_tokens(rows, 2, [2]) == 2 + 4

@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import random_prompt, tiny_drafter, tiny_target
 from transformers import GenerationMixin, Qwen3ForCausalLM
+from transformers.generation.streamers import BaseStreamer
 from transformers.generation.candidate_generator import (
     AssistedCandidateGenerator,
     DFlashTokenCandidateGenerator,
@@ -84,11 +85,20 @@ def test_mask_id_outside_target_vocab_is_refused():
         target.generate(random_prompt(0), max_new_tokens=4, assistant_model=drafter)
 
 
+class SilentStreamer(BaseStreamer):
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
 def test_unsupported_combinations_are_refused():
     target = tiny_target()
     drafter = tiny_drafter(target)
-    with pytest.raises(ValueError, match="one sequence at a time"):
-        target.generate(torch.cat([random_prompt(0), random_prompt(1)]), max_new_tokens=4, assistant_model=drafter)
+    with pytest.raises(ValueError, match="stream one prompt at a time"):  # a batch runs the batched loop
+        target.generate(torch.cat([random_prompt(0), random_prompt(1)]), max_new_tokens=4, assistant_model=drafter,
+                        streamer=SilentStreamer())  # fmt: skip
     with pytest.raises(ValueError, match="beam search"):
         target.generate(random_prompt(0), max_new_tokens=4, num_beams=2, assistant_model=drafter)
     with pytest.raises(ValueError, match="attn_implementation='eager'"):

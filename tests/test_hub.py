@@ -227,8 +227,8 @@ def test_push_dry_run_and_upload_calls(saved_drafter, monkeypatch):
     (saved_drafter / "__pycache__" / "x.pyc").write_bytes(b"0")
     files = push_to_hub(saved_drafter, "me/draft", dry_run=True)
     names = [name for name, _ in files]
-    assert names == ["README.md", "config.json", "configuration_dflash.py", "generation_dflash.py",
-                     "model.safetensors", "modeling_dflash.py", "modeling_dflash2.py"]
+    assert names == ["README.md", "batch_generation_dflash.py", "config.json", "configuration_dflash.py",
+                     "generation_dflash.py", "model.safetensors", "modeling_dflash.py", "modeling_dflash2.py"]
     assert dict(files)["model.safetensors"] == (saved_drafter / "model.safetensors").stat().st_size
     assert RecordingApi.calls == []
 

@@ -211,6 +211,13 @@ def test_remote_code_works_where_dflash_hf_is_not_importable(tmp_path):
         out = target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, assistant_model=draft)
         assert torch.equal(out, plain), (out, plain)
         assert draft.last_stats.num_rounds > 0
+        batch = torch.cat([ids, torch.cat([torch.zeros(1, 3, dtype=torch.long), ids[:, 3:]], 1)])  # left-padded
+        mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [3]])).long()
+        plain = target.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        out = target.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              assistant_model=draft)
+        assert torch.equal(out, plain), (out, plain)  # the batched loop travels with the checkpoint too
+        assert len(draft.last_stats.rows) == 2
         print("REMOTE-OK", type(draft).__module__)
         """
     )

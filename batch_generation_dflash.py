@@ -1,0 +1,484 @@
+"""Batched DFlash: ``target.generate(**left_padded_batch, assistant_model=draft)`` for a batch of prompts.
+
+This file travels as remote code inside every saved drafter (``generation_dflash`` imports it), so it imports only
+``torch``, ``transformers`` and its flat siblings.
+
+transformers' assisted-decoding loop serves one sequence, so a batch runs this loop instead; `install_dflash_dispatch`
+(``generation_dflash``) sends a DFlash drafter's batch here from ``_assisted_decoding``. The round has the phases of
+the single-sequence path, for every row at once:
+
+1. **feed context** (`BatchedDFlashLoop._take_context`): the target features of the slots written since the drafter
+   last ran, with their per-row validity and positions;
+2. **draft** (`BatchedDFlashLoop._draft`): one drafter forward over ``[anchor, mask x (B-1)]`` for every row;
+3. **verify** (`BatchedDFlashLoop._verify`): one target forward over ``[anchor, k drafts]`` for every row;
+4. **accept** (`BatchedDFlashLoop._accept`): per row the longest prefix of drafts equal to the target's tokens (greedy:
+   its argmax; sampling: an independent sample at every position, i.e. rejection sampling with a one-hot draft
+   distribution, or `_speculative_sampling` for drafters that return one), plus the target's own next token;
+5. **commit** (`BatchedDFlashLoop._commit`): per row, EOS / stop strings / other stopping criteria / the token budget
+   cut the committed tokens; a finished row is padded with ``pad_token_id`` from then on.
+
+Design: **a cache with per-row holes** (the choice, over realigning the cache every round or cropping every row to
+the shortest acceptance: neither copies nor waits). All rows keep the same cache length; every verify writes the whole
+block for every row, and the slots a row rejected stay in the cache as *holes*: a per-row slot mask ``[b, T]`` (the
+tokenizer's left padding, then the holes) is the target's 2-D ``attention_mask``, and every forward gets each row's
+logical ``position_ids`` (the number of valid slots before it), so a row's keys carry the positions its tokens have in
+its own sequence and the holes are invisible. Rows accept different counts in the same round and none waits. Columns
+dead in every row (beyond the longest acceptance) are cropped after each round. The drafter's context cache is kept
+slot for slot aligned with the target's: it is fed the features of every written slot (zeroed where invalid) with the
+same slot mask as its key mask, so the same holes are masked there. Finished rows stay in the batch with no valid
+block slot (their queries still see their prompt). The holes are never compacted: long generations with low
+acceptance carry dead columns (at most ``B - 1`` per round).
+
+Block size: the same adaptive `DraftLengthController` as the single-sequence path, one block size per round for the
+whole batch (a round's cost is measured for this batch size, its acceptance is judged on every active row), falling
+back to plain batched decoding when drafting does not pay. No prompt lookup in the batch path.
+
+The drafter's causal and sliding-window layers get the logical positions of its cached slots
+(``cached_positions``), so its windows count positions, not slots.
+
+Limits (each refused with a clear error): no streamer, no per-token scores/logits/attentions/hidden states in the
+output, no target with sliding-window (or other non-full) attention layers (transformers builds their windows in
+slots, which the holes break), no right padding.
+"""
+
+import time
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+from .generation_dflash import (
+    DFlashDrafterMixin,
+    DFlashStats,
+    DraftLengthController,
+    calibrate_head,
+    draft_settings,
+    extract_context_feature,
+)
+
+
+# Logits processors that read the scores only, never the tokens: applied to every block position at once.
+_SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+class DFlashBatchStats(DFlashStats):
+    """Statistics of one batched ``generate`` call (lands on ``draft.last_stats``).
+
+    ``rows[i]`` is a `DFlashStats` of row ``i`` alone (its rounds: tokens committed, drafts proposed); the inherited
+    lists and properties pool every row's rounds (``mean_acceptance_length`` is tau over all rows).
+    ``num_batch_rounds`` counts the verify forwards of the batch.
+    """
+
+    def __init__(self, block_size: int, batch_size: int):
+        super().__init__(block_size)
+        self.rows = [DFlashStats(block_size) for _ in range(batch_size)]
+        self.num_batch_rounds = 0
+
+    def record_row(self, row: int, proposed: int, committed: int) -> None:
+        self.rows[row].record(proposed, committed)
+        self.record(proposed, committed)
+
+
+def check_batch_supported(target, drafter, generation_config, streamer) -> None:
+    """Raise a `ValueError` naming the fix for what the batched loop cannot do."""
+    if streamer is not None:
+        raise ValueError(
+            "A streamer shows one sequence, but DFlash got a batch of prompts: stream one prompt at a time "
+            "(generate per prompt), or drop `streamer` to generate the batch."
+        )
+    wanted = [
+        name
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+        if generation_config.return_dict_in_generate and getattr(generation_config, name)
+    ]
+    if wanted:
+        raise ValueError(
+            f"Batched DFlash returns sequences only, not {', '.join(wanted)}: drop {'/'.join(wanted)}, or generate one "
+            "prompt at a time."
+        )
+    layer_types = getattr(target.config.get_text_config(), "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ValueError(
+            f"Batched DFlash needs a target with full attention in every layer (this one has "
+            f"{sorted(set(layer_types))}): generate one prompt at a time."
+        )
+
+
+def right_align(tokens: torch.LongTensor, lengths: torch.LongTensor, pad: int) -> torch.LongTensor:
+    """Rows of ``tokens [b, N]`` cut to ``lengths [b]`` and right-aligned (left-padded with ``pad``) ->
+    ``[b, max(lengths)]``: the layout logits processors and stopping criteria see in plain batched generation."""
+    width = int(lengths.max())
+    index = torch.arange(width, device=tokens.device)[None] - (width - lengths)[:, None]  # [b, width]
+    aligned = tokens.gather(1, index.clamp(min=0))
+    return aligned.masked_fill(index < 0, pad)
+
+
+class BatchedDFlashLoop:
+    """One batched DFlash ``generate`` call (see the module docstring). State, for ``b`` rows:
+
+    * ``slot_mask [b, T]``: which of the target cache's ``T`` slots hold a committed token of the row;
+    * ``num_valid [b]``: valid slots, i.e. the logical position of the row's anchor (its last committed token, not yet
+      in the cache);
+    * ``sequences [b, P + max_new]``: the left-padded prompt then the generated tokens, ``lengths [b]`` of them;
+    * ``pending``: features, validity and positions of slots the drafter has not read yet.
+    """
+
+    def __init__(self, target, drafter, input_ids, logits_processor, stopping_criteria, generation_config, cache,
+                 attention_mask=None):
+        self.target, self.drafter = target, drafter
+        self.config = generation_config
+        self.logits_processor = logits_processor
+        # EOS and max_length are applied exactly below; any other criterion (stop strings, max_time, custom) is
+        # checked on each committed prefix.
+        self.extra_criteria = [
+            c for c in stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))
+        ]
+        eos = getattr(generation_config, "_eos_token_tensor", None)
+        self.eos = eos.to(input_ids.device).flatten() if eos is not None else None
+        pad = generation_config.pad_token_id
+        if pad is None and (self.eos is not None or self.extra_criteria):
+            raise ValueError(
+                "Rows of a batch end at different times and are then padded: set `pad_token_id` (for example "
+                "`pad_token_id=tokenizer.pad_token_id`)."
+            )
+        self.pad = int(pad if pad is not None else 0)
+        self.block_size, adaptive = draft_settings(drafter, generation_config)
+        self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
+        self.do_sample = bool(generation_config.do_sample)
+        self.temperature = generation_config.temperature if self.do_sample else None
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        # Plain DFlash drafts every row independently (one head matmul for the whole batch); drafters that walk a
+        # path (DFlash2) propose row by row.
+        # (By name: a checkpoint's remote code has its own copy of the mixin.)
+        self.row_by_row = type(drafter).propose.__qualname__ != DFlashDrafterMixin.propose.__qualname__
+        self.cache = cache
+
+        batch, prompt_len = input_ids.shape
+        device = input_ids.device
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if not bool(mask.any(dim=1).all()):
+            raise ValueError("A prompt of the batch is empty (all padding): every row needs at least one token.")
+        if bool((mask[:, 1:] < mask[:, :-1]).any()):
+            raise ValueError(
+                "DFlash takes a left-padded batch: tokenize with `padding_side='left'` (padding=True, "
+                "padding_side='left')."
+            )
+        self.batch, self.prompt_len, self.device = batch, prompt_len, device
+        self.slot_mask = mask
+        self.num_valid = mask.sum(dim=1)
+        self.max_new = max(generation_config.max_length - prompt_len, 0)
+        # Room for one more block past the budget, so that a round's writes never need clamping.
+        width = prompt_len + self.max_new + self.block_size + 1
+        self.sequences = torch.full((batch, width), self.pad, dtype=torch.long, device=device)
+        self.sequences[:, :prompt_len] = input_ids
+        self.lengths = torch.full((batch,), prompt_len, dtype=torch.long, device=device)
+        self.done = torch.full((batch,), self.max_new == 0, dtype=torch.bool, device=device)
+        self.anchor = input_ids[:, -1]
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.drafter_cache = DynamicCache()
+        # Positions of the drafter's cached slots, for its causal / sliding-window layers (slots are not positions).
+        self.drafter_positions = self.num_valid.new_zeros((batch, 0))
+        self.mask_ids = torch.full((batch, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long,
+                                   device=device)
+        self.stats = DFlashBatchStats(self.block_size, batch)
+        self.cache_argument = "cache" if "cache" in _forward_parameters(target) else "past_key_values"
+        sizes = self.controller.candidates if self.controller is not None else [self.block_size - 1]
+        if not self.row_by_row:  # time the head's matmul forms now, not inside a measured round
+            for num_drafts in sizes:
+                calibrate_head(self.lm_head, batch * min(num_drafts + 1, self.block_size - 1))
+
+    # ---------------------------------------------------------------- the loop
+
+    @torch.no_grad()
+    def run(self) -> torch.LongTensor:
+        """Generate; returns ``[b, P + max generated]``, finished rows padded with ``pad_token_id``."""
+        if self.max_new > 0:
+            self._prefill()
+        while not bool(self.done.all()):
+            self._round()
+        return self.sequences[:, : int(self.lengths.max())]
+
+    def _round(self) -> None:
+        started = time.perf_counter()
+        wanted = self.controller.choose() if self.controller is not None else self.block_size - 1
+        shadow = self.controller is not None and self.controller.shadow
+        active = ~self.done
+        budget = self.max_new - (self.lengths - self.prompt_len)  # tokens each row may still generate
+        limits = torch.clamp(torch.clamp(budget - 1, min=0), max=wanted) * active  # drafts per row: [b]
+        num_drafts = int(limits.max())
+        fed = sum(features.shape[1] for features, _, _ in self.pending)
+        typical = not shadow and (num_drafts == 0 or fed <= self.block_size)
+        drafts = draft_logits = None
+        if num_drafts > 0 or shadow:
+            drafts, draft_logits = self._draft(num_drafts)
+        proposals = drafts[:, :num_drafts] if drafts is not None else self.anchor.new_zeros((self.batch, 0))
+        logits, features = self._verify(proposals, limits)
+        accepted, committed = self._accept(proposals, limits, logits, draft_logits)
+        kept = self._commit(committed, accepted, active)
+        self._after_round(features, accepted, limits, active)
+        self.stats.num_batch_rounds += 1
+        for row in active.nonzero().flatten().tolist():
+            self.stats.record_row(row, int(limits[row]), int(kept[row]))
+        if self.controller is not None:
+            self._teach_controller(drafts, committed, accepted, limits, active)
+            if typical:
+                self.controller.record_cost(num_drafts, time.perf_counter() - started)
+
+    # ---------------------------------------------------------------- phases
+
+    def _prefill(self) -> None:
+        """The target reads the prompts; the first token of every row becomes its anchor."""
+        positions = (self.slot_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        ids = self.sequences[:, : self.prompt_len]
+        outputs = self._target_forward(ids, self.slot_mask, positions, logits_to_keep=1)
+        scores = self.logits_processor(ids, outputs.logits[:, -1].float())
+        first = self._pick(scores[:, None])[:, 0]
+        self._push_context(outputs.hidden_states, self.slot_mask, positions)
+        self._commit(first[:, None], torch.zeros_like(first), ~self.done)
+
+    def _take_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed context: features ``[b, C, F*H]`` (zero at invalid slots) and positions ``[b, C]`` of the slots the
+        drafter has not read; its key mask is the target's slot mask (`_draft`)."""
+        features = torch.cat([f for f, _, _ in self.pending], dim=1)
+        valid = torch.cat([v for _, v, _ in self.pending], dim=1)
+        positions = torch.cat([p for _, _, p in self.pending], dim=1)
+        self.pending = []
+        # torch.where, not a product: a fully masked (left-pad) query row may hold NaN, and NaN * 0 is NaN.
+        return torch.where(valid[..., None], features, torch.zeros((), dtype=features.dtype)), positions
+
+    def _draft(self, num_drafts: int) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` for every row -> drafts ``[b, k']`` with
+        ``k' = min(num_drafts + 1, B - 1)`` (one more than proposed, for the controller), and the draft
+        distribution's logits ``[b, k', V]`` when the drafter has one."""
+        drafter = self.drafter
+        device = drafter.device
+        context, context_positions = self._take_context()
+        block_ids = torch.cat([self.anchor[:, None], self.mask_ids], dim=1)
+        block_positions = self.num_valid[:, None] + torch.arange(self.block_size, device=self.device)
+        noise = drafter.embed_block(self.embed_tokens, block_ids).to(device=device, dtype=drafter.dtype)
+        key_mask = torch.cat([self.slot_mask, torch.ones_like(block_ids, dtype=torch.bool)], dim=1)
+        hidden = drafter(
+            noise_embedding=noise,
+            target_hidden=context.to(device),
+            position_ids=torch.cat([context_positions, block_positions], dim=1).to(device),
+            attention_mask=key_mask.to(device),
+            past_key_values=self.drafter_cache,
+            use_cache=True,
+            cached_positions=self.drafter_positions.to(device),
+        ).last_hidden_state
+        self.drafter_positions = torch.cat([self.drafter_positions, context_positions], dim=1)
+        judged = min(num_drafts + 1, self.block_size - 1)
+        weight = self.lm_head.weight
+        rows = hidden[:, 1 : 1 + judged].to(device=weight.device, dtype=weight.dtype)  # [b, k', H]
+        if not self.row_by_row:
+            drafts, _ = drafter.propose(self.lm_head, rows.reshape(-1, rows.shape[-1]), None, self.temperature)
+            return drafts.view(self.batch, judged).to(self.device), None
+        proposed = [drafter.propose(self.lm_head, rows[i], self.anchor[i], self.temperature) for i in range(self.batch)]
+        drafts = torch.stack([tokens for tokens, _ in proposed]).to(self.device)
+        logits = None if proposed[0][1] is None else torch.stack([q for _, q in proposed]).to(self.device)
+        return drafts, logits
+
+    def _verify(self, proposals: torch.LongTensor, limits: torch.LongTensor):
+        """Verify: one target forward over ``[anchor, drafts]`` ``[b, k + 1]``; slots past a row's own limit (and every
+        slot of a finished row) are written but invalid. -> logits ``[b, k + 1, V]``, the forward's hidden states."""
+        width = proposals.shape[1] + 1
+        columns = torch.arange(width, device=self.device)
+        valid = (columns[None] <= limits[:, None]) & ~self.done[:, None]  # [b, k + 1]
+        block = torch.cat([self.anchor[:, None], proposals], dim=1).masked_fill(~valid, self.pad)
+        self._block_valid = valid
+        positions = self.num_valid[:, None] + columns
+        outputs = self._target_forward(block, torch.cat([self.slot_mask, valid], dim=1), positions)
+        return outputs.logits.float(), outputs.hidden_states
+
+    def _accept(self, proposals, limits, logits, draft_logits):
+        """Accept: per row the number ``a`` of leading drafts the target agrees with (at most its limit) -> ``(a [b],
+        committed [b, k + 1])``, where row ``i`` commits ``committed[i, : a_i + 1]`` (accepted drafts, then the
+        target's own token)."""
+        scores = self._processed_scores(proposals, logits)
+        num_drafts = proposals.shape[1]
+        if draft_logits is not None and self.do_sample and num_drafts > 0:
+            return self._accept_with_draft_distribution(proposals, limits, scores, draft_logits)
+        targets = self._pick(scores)  # [b, k + 1]: argmax, or an independent sample at every position
+        columns = torch.arange(num_drafts, device=self.device)
+        agree = (proposals == targets[:, :num_drafts]) & (columns[None] < limits[:, None])
+        accepted = agree.long().cumprod(dim=1).sum(dim=1)
+        return accepted, targets  # where drafts were accepted they equal the targets' tokens
+
+    def _accept_with_draft_distribution(self, proposals, limits, scores, draft_logits):
+        """Rejection sampling against the drafter's distribution q (transformers' `_speculative_sampling`), row by
+        row over each row's own limit."""
+        from transformers.generation.utils import _speculative_sampling
+
+        accepted = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        committed = torch.full((self.batch, proposals.shape[1] + 1), self.pad, dtype=torch.long, device=self.device)
+        for row in (~self.done).nonzero().flatten().tolist():
+            k = int(limits[row])
+            if k == 0:
+                committed[row, 0] = self._pick(scores[row : row + 1, :1])[0, 0]
+                continue
+            tokens, matches = _speculative_sampling(
+                proposals[row : row + 1, :k], draft_logits[row : row + 1, :k].float(), k, scores[row : row + 1, : k + 1]
+            )
+            accepted[row] = int(matches)
+            committed[row, : tokens.shape[1]] = tokens[0]
+        return accepted, committed
+
+    def _commit(self, committed: torch.LongTensor, accepted: torch.LongTensor, active: torch.Tensor):
+        """Commit ``committed[i, : a_i + 1]`` to every active row, cut after the first stop (EOS, a stopping
+        criterion) or at the budget; a row that stops is done. -> tokens kept per row ``[b]``."""
+        offered = torch.where(active, accepted + 1, torch.zeros_like(accepted))
+        budget = self.max_new - (self.lengths - self.prompt_len)
+        kept = torch.minimum(offered, budget)
+        columns = torch.arange(committed.shape[1], device=self.device)
+        if self.eos is not None:
+            is_eos = torch.isin(committed, self.eos) & (columns[None] < kept[:, None])
+            first_eos = torch.where(is_eos.any(dim=1), is_eos.long().argmax(dim=1) + 1, kept)
+            kept = torch.minimum(kept, first_eos)
+        stopped = active & (kept < offered)
+        if self.extra_criteria:
+            kept, fired = self._cut_at_criteria(committed, kept)
+            stopped |= active & fired
+        if self.eos is not None:  # the last kept token is an EOS: plain decoding stops there too
+            last = committed.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0]
+            stopped |= active & (kept > 0) & torch.isin(last, self.eos)
+        index = self.lengths[:, None] + columns[None]  # where each committed token lands
+        writes = columns[None] < kept[:, None]
+        self.sequences.scatter_(1, index, torch.where(writes, committed, self.sequences.gather(1, index)))
+        self.lengths = self.lengths + kept
+        self.done = self.done | stopped | (self.lengths - self.prompt_len >= self.max_new)
+        self.anchor = self.sequences.gather(1, (self.lengths - 1)[:, None])[:, 0]
+        return kept
+
+    def _after_round(self, hidden_states, accepted, limits, active) -> None:
+        """The anchor and accepted drafts become valid slots; columns past the longest acceptance are dead in every
+        row and are cropped; the written slots' features wait for the drafter (the next feed)."""
+        width = self._block_valid.shape[1]
+        columns = torch.arange(width, device=self.device)
+        valid = self._block_valid & (columns[None] <= accepted[:, None]) & active[:, None]
+        keep = int(accepted[active].max()) + 1 if bool(active.any()) else 1
+        if keep < width:
+            self.cache.crop(-(width - keep))
+        positions = self.num_valid[:, None] + columns[:keep]
+        self.slot_mask = torch.cat([self.slot_mask, valid[:, :keep]], dim=1)
+        self.num_valid = self.num_valid + valid.sum(dim=1)
+        features = tuple(h[:, :keep] if h is not None else None for h in hidden_states)
+        self._push_context(features, valid[:, :keep], positions)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _target_forward(self, ids, attention_mask, position_ids, **kwargs):
+        return self.target(
+            input_ids=ids,
+            attention_mask=attention_mask.long(),
+            position_ids=position_ids,
+            use_cache=True,
+            output_hidden_states=[i + 1 for i in self.layer_ids],
+            **{self.cache_argument: self.cache},
+            **kwargs,
+        )
+
+    def _push_context(self, hidden_states, valid, positions) -> None:
+        self.pending.append((extract_context_feature(hidden_states, self.layer_ids), valid, positions))
+
+    def _processed_scores(self, proposals, logits):
+        """The logits processors at every block position of every active row -> ``[b, k + 1, V]``.
+
+        Processors that read only the scores (temperature, top-k/p, ...) run once on all positions. Any other one is
+        shown, for each row and position, the row's own prefix (left-padded prompt, its generated tokens, the drafts
+        before the position: what plain batched generation shows that row at that step), in a batch of the real size
+        (processors may hold per-row state, e.g. the prompt padding the repetition penalty skips); the row's own line
+        of the result is kept.
+        """
+        scores = logits
+        rows = (~self.done).nonzero().flatten().tolist()
+        for processor in self.logits_processor:
+            if isinstance(processor, _SCORES_ONLY):
+                flat = scores.reshape(-1, scores.shape[-1])
+                scores = processor(flat.new_zeros((flat.shape[0], 1), dtype=torch.long), flat).view(scores.shape)
+                continue
+            processed = scores.clone()
+            for i in rows:
+                length = int(self.lengths[i])
+                row = torch.cat([self.sequences[i, :length], proposals[i]])
+                for j in range(scores.shape[1]):
+                    prefix = row[None, : length + j].expand(self.batch, -1)
+                    processed[i, j] = processor(prefix, scores[i : i + 1, j].expand(self.batch, -1))[i]
+            scores = processed
+        return scores
+
+    def _pick(self, scores):
+        """The target's token at every position of ``scores [b, n, V]``: argmax, or a sample (``[b, n]``)."""
+        if not self.do_sample:
+            return scores.argmax(dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
+
+    def _cut_at_criteria(self, committed, kept):
+        """Cut each row after the first committed token at which a stopping criterion other than EOS/max_length fires
+        (on the row's own sequence, right-aligned) -> ``(kept [b], fired [b])``."""
+        full = torch.cat([self.sequences, committed.new_full(committed.shape, self.pad)], dim=1)
+        full.scatter_(1, self.lengths[:, None] + torch.arange(committed.shape[1], device=self.device), committed)
+        cut = kept.clone()
+        open_rows = kept > 0
+        for t in range(1, int(kept.max()) + 1 if bool(open_rows.any()) else 1):
+            lengths = self.lengths + torch.minimum(kept, torch.full_like(kept, t))
+            fired = torch.zeros_like(open_rows)
+            for criterion in self.extra_criteria:
+                fired |= criterion(right_align(full, lengths, self.pad), None).to(self.device)
+            hit = open_rows & fired & (t <= kept)
+            cut = torch.where(hit, torch.full_like(cut, t), cut)
+            open_rows &= ~hit
+        return cut, (kept > 0) & ~open_rows
+
+    def _teach_controller(self, drafts, committed, accepted, limits, active) -> None:
+        """Each active row is one judgement of the drafts it was offered (plus the extra draft against the target's
+        own token after a full acceptance, as in the single-sequence path)."""
+        if drafts is None:
+            return
+        for row in active.nonzero().flatten().tolist():
+            a, offered = int(accepted[row]), int(limits[row])
+            judged = min(a + 1, drafts.shape[1])
+            if a == offered and judged > a:
+                a += int(drafts[row, a] == committed[row, a])
+            self.controller.record_acceptance(judged, a)
+
+
+def _forward_parameters(model) -> set:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def batched_dflash_decoding(target, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+                            streamer=None, assistant_model=None, **model_kwargs):
+    """``generate``'s decoding method for a batch with a DFlash drafter (dispatched from ``_assisted_decoding``)."""
+    check_batch_supported(target, drafter, generation_config, streamer)
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # renamed in transformers 5.24
+    if cache is None:
+        cache = DynamicCache()
+    if not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0:
+        raise ValueError(
+            "Batched DFlash needs a fresh dynamic cache (it writes per-row holes and crops): pass no "
+            "`past_key_values`."
+        )
+    loop = BatchedDFlashLoop(target, drafter, input_ids, logits_processor, stopping_criteria, generation_config,
+                             cache, attention_mask=model_kwargs.get("attention_mask"))
+    drafter.last_stats = loop.stats
+    if assistant_model is not None and assistant_model is not drafter:  # an adopted z-lab drafter
+        assistant_model.last_stats = loop.stats
+    sequences = loop.run()
+    if generation_config.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences
+
+
+__all__ = ["BatchedDFlashLoop", "DFlashBatchStats", "batched_dflash_decoding", "right_align"]

@@ -1,0 +1,336 @@
+"""Batched DFlash (``batch_generation_dflash``): every row of a left-padded batch equals that prompt's plain greedy
+output generated alone, whatever the other rows accept, stop on or how long their prompts are."""
+
+import pytest
+import torch
+from conftest import VOCAB, char_tokenizer, random_prompt, tiny_drafter, tiny_target
+from transformers.generation.streamers import BaseStreamer
+
+from dflash_hf import batch_generation_dflash
+from dflash_hf.batch_generation_dflash import BatchedDFlashLoop
+
+PAD = 0
+
+
+def left_padded(prompts):
+    """``[1, n_i]`` prompts -> ``(input_ids [b, max n], attention_mask)``, left-padded with PAD."""
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1] :], mask[i, width - p.shape[1] :] = p[0], 1
+    return ids, mask
+
+
+def alone(target, prompt, n, **kwargs):
+    """Plain greedy for one prompt, generated alone: its new tokens ``[m]``."""
+    return target.generate(prompt, max_new_tokens=n, do_sample=False, **kwargs)[0, prompt.shape[1] :]
+
+
+def rows_of(out, width, prompts):
+    """The new tokens of each row of a batched output (prompt part checked to be unchanged)."""
+    return [out[i, width:] for i in range(len(prompts))]
+
+
+def assert_rows_equal_alone(target, out, ids, prompts, n, pad=PAD, **kwargs):
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "do_sample")}
+    width = ids.shape[1]
+    assert torch.equal(out[:, :width], ids)
+    for i, prompt in enumerate(prompts):
+        expected = alone(target, prompt, n, **kwargs)
+        row = out[i, width:]
+        assert torch.equal(row[: expected.shape[0]], expected), f"row {i}: {row.tolist()} vs {expected.tolist()}"
+        assert bool((row[expected.shape[0] :] == pad).all()), f"row {i} is not padded after it ended"
+
+
+PROMPT_LENGTHS = (1, 5, 37, 100)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_every_row_equals_its_prompt_generated_alone(target, attn):
+    target.config._attn_implementation = attn
+    drafter = tiny_drafter(target, block_size=4, attn=attn)
+    prompts = [random_prompt(seed, length) for seed, length in enumerate(PROMPT_LENGTHS)]
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=drafter)
+    assert out.shape == (len(prompts), ids.shape[1] + 30)
+    assert_rows_equal_alone(target, out, ids, prompts, 30)
+    plain_batch = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    assert torch.equal(out, plain_batch)
+    stats = drafter.last_stats
+    assert len(stats.rows) == len(prompts)
+    for row in stats.rows:  # the prefill commits the first token
+        assert sum(row.acceptance_lengths) + 1 == 30 and all(1 <= a <= 4 for a in row.acceptance_lengths)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_block_sizes_and_the_adaptive_block_size(block_size):
+    target = tiny_target("llama")
+    prompts = [random_prompt(10 + i, length) for i, length in enumerate((3, 12, 7))]
+    ids, mask = left_padded(prompts)
+    for adaptive in (False, True):
+        drafter = tiny_drafter(target, block_size=block_size, adaptive=adaptive)
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False, assistant_model=drafter)
+        assert_rows_equal_alone(target, out, ids, prompts, 25)
+
+
+def test_a_single_prompt_through_the_batched_loop_equals_plain_greedy(target, monkeypatch):
+    drafter = tiny_drafter(target, block_size=4)
+    drafter.batched_from = 1
+    runs = []
+    original = BatchedDFlashLoop.run
+    monkeypatch.setattr(BatchedDFlashLoop, "run", lambda self: runs.append(self) or original(self))
+    prompt = random_prompt(5, 9)
+    out = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    assert len(runs) == 1
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=20, do_sample=False))
+
+
+def test_rows_stopping_on_eos_inside_a_block_are_padded_while_others_continue(target):
+    drafter = tiny_drafter(target, block_size=8)
+    prompts = [random_prompt(20 + i, length) for i, length in enumerate((4, 30, 11))]
+    ids, mask = left_padded(prompts)
+    free = [alone(target, p, 30) for p in prompts]
+    eos = int(free[0][6])  # row 0 stops at its 7th token (inside the first blocks); other rows may or may not
+    options = dict(max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
+    assert_rows_equal_alone(target, out, ids, prompts, 30, eos_token_id=eos, pad_token_id=PAD)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **options))
+    assert int((out[0, ids.shape[1] :] == eos).nonzero()[0]) <= 6
+
+
+def test_all_rows_ending_at_once(target):
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [random_prompt(30 + i, length) for i, length in enumerate((6, 2, 15))]
+    ids, mask = left_padded(prompts)
+    for n in (1, 2, 9):  # the budget ends every row in the same round
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, assistant_model=drafter)
+        assert out.shape[1] == ids.shape[1] + n
+        assert_rows_equal_alone(target, out, ids, prompts, n)
+    same = [random_prompt(40, 8)] * 3  # identical rows: the same EOS ends all of them in the same round
+    ids, mask = left_padded(same)
+    eos = int(alone(target, same[0], 20)[9])
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                          pad_token_id=PAD, assistant_model=drafter)  # fmt: skip
+    expected = alone(target, same[0], 20, eos_token_id=eos, pad_token_id=PAD)
+    assert out.shape[1] == ids.shape[1] + expected.shape[0]
+    assert all(torch.equal(row, expected) for row in rows_of(out, ids.shape[1], same))
+
+
+def test_stop_strings_per_row():
+    target = tiny_target("qwen3", seed=2)
+    tokenizer = char_tokenizer()
+    drafter = tiny_drafter(target, block_size=8)
+    prompts = [random_prompt(50 + i, length) for i, length in enumerate((5, 20, 9))]
+    ids, mask = left_padded(prompts)
+    free = alone(target, prompts[1], 30)
+    stop = next(t for t in range(6, 20) if bool((free[t - 1 : t + 1] >= 4).all()))  # two plain characters
+    text = tokenizer.decode(free[stop - 1 : stop + 1])  # row 1 stops after token `stop` (unless earlier)
+    # With an EOS id, plain batched generation pads a row after its stop string too (without one it lets it run on).
+    options = dict(max_new_tokens=30, do_sample=False, stop_strings=[text], tokenizer=tokenizer, pad_token_id=PAD,
+                   eos_token_id=tokenizer.eos_token_id)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **options))
+    assert_rows_equal_alone(target, out, ids, prompts, 30, **options)
+    options.pop("eos_token_id")  # our loop pads a finished row either way
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
+    assert_rows_equal_alone(target, out, ids, prompts, 30, **options)
+    assert bool((out[1, ids.shape[1] + stop + 1 :] == PAD).all())
+
+
+def pin_batch(monkeypatch, continuations, cuts):
+    """Make the batched loop propose each row's greedy continuation (``continuations[i]``: its new tokens), corrupted
+    at slot ``cuts(row, round, n)`` (n = none): rows then accept exactly that many drafts in the same round. The
+    drafter still runs (context feeding is exercised)."""
+    rounds = []
+    original = BatchedDFlashLoop._draft
+
+    def pinned(self, num_drafts):
+        drafts, logits = original(self, num_drafts)
+        rounds.append(drafts)
+        generated = (self.lengths - self.prompt_len).tolist()
+        rows = []
+        for i, start in enumerate(generated):
+            row = continuations[i][start : start + drafts.shape[1]].clone()
+            row = torch.cat([row, row.new_full((drafts.shape[1] - row.shape[0],), PAD)])
+            cut = cuts(i, len(rounds) - 1, num_drafts)
+            if cut < row.shape[0]:
+                row[cut] = (row[cut] + 1) % VOCAB
+            rows.append(row)
+        return torch.stack(rows), logits
+
+    monkeypatch.setattr(BatchedDFlashLoop, "_draft", pinned)
+    return rounds
+
+
+def test_rows_accept_none_partial_and_all_drafts_in_the_same_round(target, monkeypatch):
+    drafter = tiny_drafter(target, block_size=6)
+    prompts = [random_prompt(60 + i, length) for i, length in enumerate((7, 3, 25, 12))]
+    ids, mask = left_padded(prompts)
+    continuations = [alone(target, p, 60) for p in prompts]
+
+    def cuts(row, round_index, n):  # row 0 rejects every first draft, row 1 accepts 2, row 2 all, row 3 varies
+        return (0, 2, n, (round_index * 7 + 3) % (n + 1))[row]
+
+    rounds = pin_batch(monkeypatch, continuations, cuts)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+    assert len(rounds) > 3
+    assert_rows_equal_alone(target, out, ids, prompts, 40)
+    accepted = [[a - 1 for a in row.acceptance_lengths] for row in drafter.last_stats.rows]
+    assert set(accepted[0]) == {0}
+    assert accepted[1][:-1] == [2] * (len(accepted[1]) - 1)
+    assert accepted[2][:-1] == [5] * (len(accepted[2]) - 1)
+    assert len(set(accepted[3])) > 2
+
+
+def test_refusals_name_the_fix(target):
+    drafter = tiny_drafter(target)
+    ids, mask = left_padded([random_prompt(0, 4), random_prompt(1, 6)])
+
+    class Streamer(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    with pytest.raises(ValueError, match="stream one prompt at a time"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter, streamer=Streamer())
+    with pytest.raises(ValueError, match="padding_side='left'"):
+        target.generate(ids, attention_mask=mask.flip(1), max_new_tokens=4, assistant_model=drafter)
+    with pytest.raises(ValueError, match="output_scores"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter, output_scores=True,
+                        return_dict_in_generate=True)  # fmt: skip
+
+
+def test_return_dict_and_spec_generate_take_a_batch(target):
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [random_prompt(70, 3), random_prompt(71, 10)]
+    ids, mask = left_padded(prompts)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    result = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=drafter,
+                             return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(result.sequences, plain)
+    out = drafter.spec_generate(target=target, input_ids=ids, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(out, plain)
+
+
+def test_right_align():
+    tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    aligned = batch_generation_dflash.right_align(tokens, torch.tensor([2, 3]), pad=0)
+    assert aligned.tolist() == [[0, 1, 2], [5, 6, 7]]
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(0.7, 8)])
+def test_sampling_follows_each_rows_target_distribution(temperature, top_k, monkeypatch):
+    """Chi-square per row (as `test_sampling`): rows of different lengths sampled together each follow the exact
+    joint distribution of their own first three tokens, while drafts are accepted and rejected."""
+    from collections import Counter
+
+    from test_sampling import NUM_SAMPLES, chi_square_rejects, exact_joint, processors
+
+    target = tiny_target(seed=3)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(3.0)
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [random_prompt(4, length=6), random_prompt(8, length=2)]
+    ids, mask = left_padded(prompts)
+    warp = processors(temperature, top_k, 1.0)
+    joints = [exact_joint(target, p, warp) for p in prompts]
+    pin_batch(monkeypatch, [alone(target, p, 8) for p in prompts], cuts=lambda row, r, n: n)  # greedy paths
+    torch.manual_seed(1234)
+    samples, accepted = [Counter(), Counter()], 0
+    options = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0, max_new_tokens=3)
+    for _ in range(NUM_SAMPLES):
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
+        for row, counter in enumerate(samples):
+            counter[tuple(out[row, ids.shape[1] :].tolist())] += 1
+        accepted += sum(a - 1 for a in drafter.last_stats.acceptance_lengths)
+    for row, (counter, joint) in enumerate(zip(samples, joints)):
+        rejects, statistic, critical = chi_square_rejects(counter, joint, NUM_SAMPLES)
+        assert not rejects, f"row {row}: chi2 {statistic:.1f} > {critical:.1f}"
+    assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted, so the acceptance rule was exercised
+
+
+@pytest.mark.parametrize("window", [2048, 6])
+def test_a_dflash2_drafter_with_causal_sliding_layers_drafts_row_by_row(tmp_path, window):
+    """DFlash2 walks a path per row (`propose` row by row); its causal, sliding-window layers must count positions,
+    not cache slots (holes and left padding would otherwise hide or expose the wrong context)."""
+    from published import dflash2_config, write_checkpoint
+
+    from dflash_hf import DFlash2DraftModel
+
+    target = tiny_target(seed=3)
+    folder = write_checkpoint(tmp_path / "d2", dflash2_config(target, block_size=4, window=window, is_causal=True), seed=2)
+    drafter = DFlash2DraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    drafter.adaptive_block_size = False
+    assert drafter.config.layer_is_causal(0)
+    prompts = [random_prompt(80 + i, length) for i, length in enumerate((2, 19, 8))]
+    ids, mask = left_padded(prompts)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    assert_rows_equal_alone(target, out, ids, prompts, 20)
+    seen = []  # the drafter's output rows handed to `propose`, call by call
+    propose = drafter.propose
+    drafter.propose = lambda lm_head, rows, *args: seen.append(rows.clone()) or propose(lm_head, rows, *args)
+    alone_rows = []
+    for prompt in prompts:  # the batched drafter computes what it computes for the prompt alone
+        seen.clear()
+        target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+        alone_rows.append(list(seen))
+    seen.clear()
+    target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    for i, expected in enumerate(alone_rows):  # batched calls go row 0, 1, 2 in every round
+        batched = seen[i :: len(prompts)]
+        assert len(expected) > 3
+        for round_index, (mine, theirs) in enumerate(zip(batched, expected)):
+            n = min(mine.shape[0], theirs.shape[0])
+            torch.testing.assert_close(mine[:n], theirs[:n], atol=1e-4, rtol=1e-4, msg=f"row {i}, round {round_index}")
+
+
+def test_logits_processors_see_each_rows_own_prefix(target, monkeypatch):
+    """Rows that have committed different numbers of tokens get processors (repetition penalty, min_new_tokens) on
+    their own prefix, as plain generation shows them."""
+    drafter = tiny_drafter(target, block_size=6)
+    prompts = [random_prompt(90 + i, length) for i, length in enumerate((4, 13, 8))]
+    ids, mask = left_padded(prompts)
+    options = dict(repetition_penalty=1.3, pad_token_id=PAD)
+    free = [alone(target, p, 40, **options) for p in prompts]
+    eos = int(free[1][2])  # row 1 would stop at its 3rd token: min_new_tokens keeps it going
+    options.update(eos_token_id=eos, min_new_tokens=12)
+    continuations = [alone(target, p, 40, **options) for p in prompts]
+    pin_batch(monkeypatch, continuations, cuts=lambda row, r, n: (n, 0, 2)[row])  # rows drift apart in length
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, assistant_model=drafter,
+                          **options)  # fmt: skip
+    assert_rows_equal_alone(target, out, ids, prompts, 40, **options)
+    assert len({sum(row.acceptance_lengths) for row in drafter.last_stats.rows}) > 1 or bool((out == PAD).any())
+
+
+def test_dflash2_sampling_with_its_draft_distribution_follows_each_rows_target_distribution(tmp_path):
+    """DFlash2 hands q to the verifier: each row runs rejection sampling against it (accept u * q(d) < p(d), else
+    resample from norm(max(p - q, 0))) over its own drafts; chi-square per row on an 8-token vocabulary."""
+    from collections import Counter
+
+    from published import dflash2_config, write_checkpoint
+    from test_sampling import NUM_SAMPLES, chi_square_rejects, exact_joint, processors
+
+    from dflash_hf import DFlash2DraftModel
+
+    target = tiny_target(seed=3, vocab_size=8)
+    folder = write_checkpoint(tmp_path / "d2", dflash2_config(target, block_size=4), seed=2)
+    drafter = DFlash2DraftModel.from_pretrained(folder, dtype=torch.float32).eval()
+    drafter.adaptive_block_size = False
+    prompts = [random_prompt(4, length=6) % 7 + 1, random_prompt(5, length=3) % 7 + 1]  # no pad id (0) inside
+    ids, mask = left_padded(prompts)
+    joints = [exact_joint(target, p, processors(0.7, 0, 1.0)) for p in prompts]
+    options = dict(do_sample=True, temperature=0.7, top_k=None, top_p=1.0, max_new_tokens=3)
+    torch.manual_seed(1234)
+    samples, accepted = [Counter(), Counter()], 0
+    for _ in range(NUM_SAMPLES):
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
+        for row, counter in enumerate(samples):
+            counter[tuple(out[row, ids.shape[1] :].tolist())] += 1
+        accepted += sum(a - 1 for a in drafter.last_stats.acceptance_lengths)
+    for row, (counter, joint) in enumerate(zip(samples, joints)):
+        rejects, statistic, critical = chi_square_rejects(counter, joint, NUM_SAMPLES)
+        assert not rejects, f"row {row}: chi2 {statistic:.1f} > {critical:.1f}"
+    assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted, so both the acceptance and residual ran

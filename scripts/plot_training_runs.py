@@ -1,0 +1,40 @@
+"""Plot tau per held-out set against the training blocks seen, across the runs of the shipped drafter.
+
+    python scripts/plot_training_runs.py docs/training-runs.json docs/smollm2-runs-curve.png
+
+Each run continues from the previous one (`dflash-hf train --init-from`); the JSON holds the measured points and
+how they were measured.
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(table: str, out: str) -> None:
+    runs = json.load(open(table))["runs"]
+    blocks = [run["blocks"] / 1000 for run in runs]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for dataset in runs[0]["tau"]:
+        ax.plot(blocks, [run["tau"][dataset] for run in runs], marker="o", label=dataset)
+    for x, run in zip(blocks, runs):
+        ax.annotate(run["name"].split(":")[0], (x, ax.get_ylim()[0]), textcoords="offset points", xytext=(2, 4),
+                    fontsize=8)
+    ax.set_xlabel("training blocks seen (thousands)")
+    ax.set_ylabel("tau at B = 16 (tokens per round)")
+    ax.set_title("SmolLM2-135M-Instruct drafter across training runs")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python scripts/plot_training_runs.py TABLE.json OUT.png")
+    main(sys.argv[1], sys.argv[2])

@@ -24,15 +24,13 @@ from .generation_dflash import (
 from .modeling_dflash import DFlashDraftModel
 from .modeling_dflash2 import DFlash2DraftModel
 
-# Installed at import (not only when a drafter is built) so that a drafter loaded without its code, e.g.
-# `AutoModel.from_pretrained(path)` without trust_remote_code, fails at `generate` with a message saying what to do.
-install_dflash_dispatch()
-
 # `save_pretrained` then writes `auto_map` and copies the three remote-code files into every checkpoint.
 DFlashConfig.register_for_auto_class()
 DFlashDraftModel.register_for_auto_class("AutoModel")
 DFlash2DraftModel.register_for_auto_class("AutoModel")
 
+# Installed at import (not only when a drafter is built) so that a drafter loaded without its code, e.g.
+# `AutoModel.from_pretrained(path)` without trust_remote_code, fails at `generate` with a message saying what to do.
 try:
     install_dflash_dispatch()
 except RuntimeError as error:  # an unsupported transformers: importing still works, generating with a drafter says why

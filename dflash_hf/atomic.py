@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .files import _pid_alive, replace_folder
+from .files import _pid_alive, finish_modes, replace_folder
 
 _LOW_SPACE = 1 << 20  # bytes: a write that failed with less free than this ran out of space
 
@@ -95,6 +95,7 @@ def atomic_path(final, directory: bool = False) -> Iterator[Path]:
         tmp.mkdir()
     with removed_on_error(tmp, final):
         yield tmp
+        finish_modes(tmp)  # safetensors writes 0600: give the file the mode open() would have
         replace(tmp, final)
 
 

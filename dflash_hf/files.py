@@ -28,8 +28,12 @@ def _umask() -> int:
 
 
 def finish_modes(folder: Path) -> None:
-    """Give ``folder`` and everything in it the modes the umask asks for: files 0666 & ~umask, folders 0777."""
+    """Give ``folder`` (a folder or a file) and everything in it the modes the umask asks for: files 0666 & ~umask,
+    folders 0777 & ~umask."""
     mask = _umask()
+    if not folder.is_dir():
+        os.chmod(folder, 0o666 & ~mask)
+        return
     os.chmod(folder, 0o777 & ~mask)
     for path in folder.rglob("*"):
         if not path.is_symlink():

@@ -242,3 +242,19 @@ def test_train_on_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(run_i
     assert error.startswith("dflash-hf train: error: [Errno 28] No space left on device while writing")
     assert temporaries(disk) == [] and incomplete_files(disk) == []
     assert not (disk / "train" / "latest").exists()
+
+
+def test_atomic_writes_give_files_the_mode_the_umask_asks_for(tmp_path):
+    """safetensors writes 0600; a shard or checkpoint others should read gets 0666 & ~umask, as open() would give."""
+    import torch
+
+    from dflash_hf.training.data import write_shard
+
+    previous = os.umask(0o022)
+    try:
+        path = tmp_path / "shard-00000.safetensors"
+        sequence = {"input_ids": torch.arange(4), "loss_mask": torch.ones(4)}
+        write_shard(path, [sequence], ["a"], None)
+    finally:
+        os.umask(previous)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -221,13 +221,31 @@ def test_right_align():
     assert aligned.tolist() == [[0, 1, 2], [5, 6, 7]]
 
 
+def assert_rows_sample_exactly(target, drafter, ids, mask, joints, options):
+    """Every row's sampled continuations pass the chi-square test against its exact joint distribution, and drafts
+    were really accepted (so the acceptance rule and the residual both ran)."""
+    from collections import Counter
+
+    from test_sampling import NUM_SAMPLES, chi_square_rejects
+
+    torch.manual_seed(1234)
+    samples, accepted = [Counter() for _ in joints], 0
+    for _ in range(NUM_SAMPLES):
+        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
+        for row, counter in enumerate(samples):
+            counter[tuple(out[row, ids.shape[1] :].tolist())] += 1
+        accepted += sum(a - 1 for a in drafter.last_stats.acceptance_lengths)
+    for row, (counter, joint) in enumerate(zip(samples, joints)):
+        rejects, statistic, critical = chi_square_rejects(counter, joint, NUM_SAMPLES)
+        assert not rejects, f"row {row}: chi2 {statistic:.1f} > {critical:.1f}"
+    assert accepted > NUM_SAMPLES * 0.2
+
+
 @pytest.mark.parametrize(("temperature", "top_k"), [(0.7, 8)])
 def test_sampling_follows_each_rows_target_distribution(temperature, top_k, monkeypatch):
     """Chi-square per row (as `test_sampling`): rows of different lengths sampled together each follow the exact
     joint distribution of their own first three tokens, while drafts are accepted and rejected."""
-    from collections import Counter
-
-    from test_sampling import NUM_SAMPLES, chi_square_rejects, exact_joint, processors
+    from test_sampling import exact_joint, processors
 
     target = tiny_target(seed=3)
     with torch.no_grad():
@@ -238,18 +256,8 @@ def test_sampling_follows_each_rows_target_distribution(temperature, top_k, monk
     warp = processors(temperature, top_k, 1.0)
     joints = [exact_joint(target, p, warp) for p in prompts]
     pin_batch(monkeypatch, [alone(target, p, 8) for p in prompts], cuts=lambda row, r, n: n)  # greedy paths
-    torch.manual_seed(1234)
-    samples, accepted = [Counter(), Counter()], 0
     options = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0, max_new_tokens=3)
-    for _ in range(NUM_SAMPLES):
-        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
-        for row, counter in enumerate(samples):
-            counter[tuple(out[row, ids.shape[1] :].tolist())] += 1
-        accepted += sum(a - 1 for a in drafter.last_stats.acceptance_lengths)
-    for row, (counter, joint) in enumerate(zip(samples, joints)):
-        rejects, statistic, critical = chi_square_rejects(counter, joint, NUM_SAMPLES)
-        assert not rejects, f"row {row}: chi2 {statistic:.1f} > {critical:.1f}"
-    assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted, so the acceptance rule was exercised
+    assert_rows_sample_exactly(target, drafter, ids, mask, joints, options)
 
 
 @pytest.mark.parametrize("window", [2048, 6])
@@ -308,10 +316,8 @@ def test_logits_processors_see_each_rows_own_prefix(target, monkeypatch):
 def test_dflash2_sampling_with_its_draft_distribution_follows_each_rows_target_distribution(tmp_path):
     """DFlash2 hands q to the verifier: each row runs rejection sampling against it (accept u * q(d) < p(d), else
     resample from norm(max(p - q, 0))) over its own drafts; chi-square per row on an 8-token vocabulary."""
-    from collections import Counter
-
     from published import dflash2_config, write_checkpoint
-    from test_sampling import NUM_SAMPLES, chi_square_rejects, exact_joint, processors
+    from test_sampling import exact_joint, processors
 
     from dflash_hf import DFlash2DraftModel
 
@@ -323,14 +329,4 @@ def test_dflash2_sampling_with_its_draft_distribution_follows_each_rows_target_d
     ids, mask = left_padded(prompts)
     joints = [exact_joint(target, p, processors(0.7, 0, 1.0)) for p in prompts]
     options = dict(do_sample=True, temperature=0.7, top_k=None, top_p=1.0, max_new_tokens=3)
-    torch.manual_seed(1234)
-    samples, accepted = [Counter(), Counter()], 0
-    for _ in range(NUM_SAMPLES):
-        out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
-        for row, counter in enumerate(samples):
-            counter[tuple(out[row, ids.shape[1] :].tolist())] += 1
-        accepted += sum(a - 1 for a in drafter.last_stats.acceptance_lengths)
-    for row, (counter, joint) in enumerate(zip(samples, joints)):
-        rejects, statistic, critical = chi_square_rejects(counter, joint, NUM_SAMPLES)
-        assert not rejects, f"row {row}: chi2 {statistic:.1f} > {critical:.1f}"
-    assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted, so both the acceptance and residual ran
+    assert_rows_sample_exactly(target, drafter, ids, mask, joints, options)

@@ -58,6 +58,7 @@ from .generation_dflash import (
     DFlashStats,
     DraftLengthController,
     calibrate_head,
+    draft_sampling_mode,
     draft_settings,
     extract_context_feature,
 )
@@ -151,7 +152,9 @@ class BatchedDFlashLoop:
         self.block_size, adaptive = draft_settings(drafter, generation_config)
         self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
         self.do_sample = bool(generation_config.do_sample)
-        self.temperature = generation_config.temperature if self.do_sample else None
+        # Sampled drafts hand q to the verifier (as the single-sequence path); greedy drafts are judged by equality.
+        sampled = self.do_sample and draft_sampling_mode(drafter, generation_config) == "sample"
+        self.temperature = generation_config.temperature if sampled else None
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         # Plain DFlash drafts every row independently (one head matmul for the whole batch); drafters that walk a
@@ -278,8 +281,14 @@ class BatchedDFlashLoop:
         weight = self.lm_head.weight
         rows = hidden[:, 1 : 1 + judged].to(device=weight.device, dtype=weight.dtype)  # [b, k', H]
         if not self.row_by_row:
-            drafts, _ = drafter.propose(self.lm_head, rows.reshape(-1, rows.shape[-1]), None, self.temperature)
-            return drafts.view(self.batch, judged).to(self.device), None
+            drafts, logits = drafter.propose(self.lm_head, rows.reshape(-1, rows.shape[-1]), None, self.temperature)
+            drafts = drafts.view(self.batch, judged).to(self.device)
+            if logits is not None:
+                logits = logits.view(self.batch, judged, -1).to(self.device)
+                # The controller's extra draft is judged by equality with the target's token: q's argmax, as in the
+                # single-sequence path (a sampled one would match only with probability sum p*q).
+                drafts[:, num_drafts:] = logits[:, num_drafts:].argmax(dim=-1)
+            return drafts, logits
         proposed = [drafter.propose(self.lm_head, rows[i], self.anchor[i], self.temperature) for i in range(self.batch)]
         drafts = torch.stack([tokens for tokens, _ in proposed]).to(self.device)
         logits = None if proposed[0][1] is None else torch.stack([q for _, q in proposed]).to(self.device)

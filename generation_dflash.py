@@ -298,9 +298,8 @@ class RoundController:
     """The generator's round bookkeeping: what each round proposes, what it cost, and what its verification taught.
 
     Adaptive (``adaptive=True``): `DraftLengthController` (``sizes``) picks the number of drafts from acceptance and
-    from round costs this object measures -- the time from one ``get_candidates`` to the next on ``clock`` (see
-    `round_clock`), charged to the round's size only when typical of it (`record_round_cost`) -- and runs its shadow
-    rounds. Prompt lookup
+    from round costs this object measures -- the wall time from one ``get_candidates`` to the next, charged to the
+    round's size only when typical of it (`record_round_cost`) -- and runs its shadow rounds. Prompt lookup
     (``lookup_ngram > 0``) proposes its continuation instead when that is expected to commit more tokens per unit
     time, judged by an estimator of its own (``lookup_rates``, with the verify costs of lookup rounds). Looking up
     costs no forward, so its continuation is judged against the committed tokens every round, proposed or not: its
@@ -308,9 +307,8 @@ class RoundController:
     Fixed blocks: always ``block_size - 1`` drafts, nothing timed. Every verified round lands in ``stats``.
     """
 
-    def __init__(self, block_size: int, adaptive: bool, lookup_ngram: int, stats: DFlashStats, clock=None):
+    def __init__(self, block_size: int, adaptive: bool, lookup_ngram: int, stats: DFlashStats):
         self.block_size, self.stats = block_size, stats
-        self.clock = clock or time.perf_counter
         self.sizes = DraftLengthController(block_size - 1) if adaptive else None
         self.lookup_ngram = lookup_ngram if adaptive else 0
         # Lookup acceptance per matched n-gram length (a 3-gram match continues the text far more often than a
@@ -332,7 +330,7 @@ class RoundController:
 
     def start_round(self) -> None:
         """A round begins, so the previous one has ended: charge its wall time (`record_round_cost`)."""
-        now = self.clock()
+        now = time.perf_counter()
         if self.sizes is not None and self.current is not None:
             self.record_round_cost(self.current, now - self.started)
         self.started = now
@@ -511,9 +509,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # `generate(max_matching_ngram_size=n)` (0 = off).
         ngram = generation_config.max_matching_ngram_size
         lookup_ngram = getattr(drafter, "prompt_lookup_ngram", 3) if ngram is None else ngram
-        self.controller = RoundController(
-            self.block_size, adaptive, lookup_ngram, DFlashStats(self.block_size), round_clock(target)
-        )
+        self.controller = RoundController(self.block_size, adaptive, lookup_ngram, DFlashStats(self.block_size))
         drafter.last_stats = self.controller.stats
         # Time the head's matmul forms now (once per process), not inside a round whose cost the controller measures.
         for num_rows in self.controller.head_rows():
@@ -615,15 +611,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
             if self.stop_strings(torch.cat([input_ids, proposals[:, :k]], dim=-1), None).any():
                 return proposals[:, : k - 1]
         return proposals
-
-
-def round_clock(target):
-    """The clock that prices rounds: this process's CPU time when the target runs on the CPU with one torch thread
-    (what a round costs is the compute it does; the time slices a busy neighbour takes from the core are not the
-    round's, and timed on the wall clock they would make the choices differ from run to run), else the wall clock
-    (accelerators compute outside this process's CPU time, and several threads' CPU times add up)."""
-    on_cpu = next(target.parameters()).device.type == "cpu"
-    return time.process_time if on_cpu and torch.get_num_threads() == 1 else time.perf_counter
 
 
 # transformers fills `num_assistant_tokens` / `num_assistant_tokens_schedule` that a call left unset with these.

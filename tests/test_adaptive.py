@@ -1,7 +1,6 @@
 """Adaptive block size: the controller's choices on synthetic costs, and losslessness whatever it chooses."""
 
 import copy
-import time
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from dflash_hf.generation_dflash import (
     extract_context_feature,
     prompt_lookup,
     prompt_lookup_match,
-    round_clock,
 )
 
 
@@ -241,17 +239,6 @@ def test_lookup_continuation_is_judged_every_round_against_the_committed_tokens(
     controller.record_verification(torch.tensor([13]))  # a plain round judges lookup's first token too
     assert estimator.observations[:2] == [2, 1]
     assert controller.lookup_rates[1].observations[0] == 0  # other match lengths keep their own estimates
-
-
-def test_rounds_are_priced_in_cpu_time_on_one_cpu_thread(target):
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert round_clock(target) is time.process_time
-        torch.set_num_threads(2)
-        assert round_clock(target) is time.perf_counter
-    finally:
-        torch.set_num_threads(threads)
 
 
 # ---- settings per call ---------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ logical ``position_ids`` (the number of valid slots before it), so a row's keys 
 its own sequence and the holes are invisible. Rows accept different counts in the same round and none waits. Columns
 dead in every row (beyond the longest acceptance) are cropped after each round. The drafter's context cache is kept
 slot for slot aligned with the target's: it is fed the features of every written slot (zeroed where invalid) with the
-same slot mask as its key mask, so the same holes are masked there. Finished rows stay in the batch with no valid
-block slot (their queries still see their prompt). The holes are never compacted: long generations with low
+same slot mask as its key mask, so the same holes are masked there. A row that finishes leaves the batch after its
+round (`BatchedDFlashLoop._drop_finished`: both caches and every per-row tensor keep the other rows), so no later
+forward computes it -- plain batched decoding computes finished rows to the end. The holes are never compacted: long generations with low
 acceptance carry dead columns (at most ``B - 1`` per round).
 
 Block size: the same adaptive `DraftLengthController` as the single-sequence path, one block size per round for the
@@ -121,7 +122,8 @@ def right_align(tokens: torch.LongTensor, lengths: torch.LongTensor, pad: int) -
 
 
 class BatchedDFlashLoop:
-    """One batched DFlash ``generate`` call (see the module docstring). State, for ``b`` rows:
+    """One batched DFlash ``generate`` call (see the module docstring). State, for the ``b`` rows still generating
+(``row_ids [b]``: their indices in the caller's batch; finished rows wait in ``finished_rows``):
 
     * ``slot_mask [b, T]``: which of the target cache's ``T`` slots hold a committed token of the row;
     * ``num_valid [b]``: valid slots, i.e. the logical position of the row's anchor (its last committed token, not yet
@@ -174,6 +176,12 @@ class BatchedDFlashLoop:
                 "padding_side='left')."
             )
         self.batch, self.prompt_len, self.device = batch, prompt_len, device
+        # Rows still generating, as indices into the caller's batch: every per-row tensor below (and both caches)
+        # holds these rows only; a finished row's sequence moves to `finished_rows` (`_drop_finished`).
+        self.full_batch = batch
+        self.row_ids = torch.arange(batch, device=device)
+        self.finished_rows: dict[int, torch.LongTensor] = {}
+        self.finished_lengths: dict[int, int] = {}
         self.slot_mask = mask
         self.num_valid = mask.sum(dim=1)
         self.max_new = max(generation_config.max_length - prompt_len, 0)
@@ -204,9 +212,38 @@ class BatchedDFlashLoop:
         """Generate; returns ``[b, P + max generated]``, finished rows padded with ``pad_token_id``."""
         if self.max_new > 0:
             self._prefill()
+            self._drop_finished()
         while not bool(self.done.all()):
             self._round()
-        return self.sequences[:, : int(self.lengths.max())]
+            self._drop_finished()
+        return self._output()
+
+    def _output(self) -> torch.LongTensor:
+        """Every row of the caller's batch, in its order, cut to the longest -> ``[B, P + max generated]``."""
+        rows = dict(self.finished_rows)
+        rows.update(zip(self.row_ids.tolist(), self.sequences))
+        lengths = [self.prompt_len] + [int(n) for n in self.lengths] + list(self.finished_lengths.values())
+        return torch.stack([rows[i] for i in range(self.full_batch)])[:, : max(lengths)]
+
+    def _drop_finished(self) -> None:
+        """Rows that finished leave the batch: their sequences are kept aside, and every per-row tensor, the target's
+        cache and the drafter's cache keep the other rows only (one copy of each cache per finished round), so no
+        later forward computes a finished row. Plain batched decoding keeps them to the end, padded."""
+        done = self.done
+        if not bool(done.any()) or bool(done.all()):
+            return
+        for index in done.nonzero().flatten().tolist():
+            row = int(self.row_ids[index])
+            self.finished_rows[row] = self.sequences[index]
+            self.finished_lengths[row] = int(self.lengths[index])
+        keep = (~done).nonzero().flatten()
+        self.cache.batch_select_indices(keep)
+        self.drafter_cache.batch_select_indices(keep.to(self.drafter.device))
+        for name in ("row_ids", "slot_mask", "num_valid", "sequences", "lengths", "done", "anchor",
+                     "drafter_positions", "mask_ids"):
+            setattr(self, name, getattr(self, name)[keep])
+        self.pending = [tuple(part[keep] for part in entry) for entry in self.pending]
+        self.batch = int(keep.shape[0])
 
     def _round(self) -> None:
         started = time.perf_counter()
@@ -228,7 +265,7 @@ class BatchedDFlashLoop:
         self._after_round(features, accepted, limits, active)
         self.stats.num_batch_rounds += 1
         for row in active.nonzero().flatten().tolist():
-            self.stats.record_row(row, int(limits[row]), int(kept[row]))
+            self.stats.record_row(int(self.row_ids[row]), int(limits[row]), int(kept[row]))
         if self.controller is not None:
             self._teach_controller(drafts, committed, accepted, limits, active)
             if typical:
@@ -402,8 +439,8 @@ class BatchedDFlashLoop:
         Processors that read only the scores (temperature, top-k/p, ...) run once on all positions. Any other one is
         shown, for each row and position, the row's own prefix (left-padded prompt, its generated tokens, the drafts
         before the position: what plain batched generation shows that row at that step), in a batch of the real size
-        (processors may hold per-row state, e.g. the prompt padding the repetition penalty skips); the row's own line
-        of the result is kept.
+        (processors may hold per-row state, e.g. the prompt padding the repetition penalty skips); the line of the
+        row's index in the caller's batch is kept (finished rows have left the loop's batch, not the processors').
         """
         scores = logits
         rows = (~self.done).nonzero().flatten().tolist()
@@ -414,11 +451,12 @@ class BatchedDFlashLoop:
                 continue
             processed = scores.clone()
             for i in rows:
-                length = int(self.lengths[i])
+                length, caller_row = int(self.lengths[i]), int(self.row_ids[i])
                 row = torch.cat([self.sequences[i, :length], proposals[i]])
                 for j in range(scores.shape[1]):
-                    prefix = row[None, : length + j].expand(self.batch, -1)
-                    processed[i, j] = processor(prefix, scores[i : i + 1, j].expand(self.batch, -1))[i]
+                    prefix = row[None, : length + j].expand(self.full_batch, -1)
+                    shown = scores[i : i + 1, j].expand(self.full_batch, -1)
+                    processed[i, j] = processor(prefix, shown)[caller_row]
             scores = processed
         return scores
 

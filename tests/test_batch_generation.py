@@ -348,3 +348,33 @@ def test_dflash2_sampling_with_its_draft_distribution_follows_each_rows_target_d
     joints = [exact_joint(target, p, processors(0.7, 0, 1.0)) for p in prompts]
     options = dict(do_sample=True, temperature=0.7, top_k=None, top_p=1.0, max_new_tokens=3)
     assert_rows_sample_exactly(target, drafter, ids, mask, joints, options)
+
+
+def test_finished_rows_leave_the_batch_and_every_row_still_equals_its_prompt_alone(target):
+    """A row that ends (EOS) leaves every later forward (target and drafter), while the other rows -- with a logits
+    processor that reads each row's own prefix -- still equal their prompts generated alone."""
+    drafter = tiny_drafter(target, block_size=6)
+    prompts = [random_prompt(100 + i, length) for i, length in enumerate((9, 4, 22, 13))]
+    ids, mask = left_padded(prompts)
+    options = dict(pad_token_id=PAD, repetition_penalty=1.2)
+    eos = int(alone(target, prompts[1], 30, **options)[4])  # row 1 ends at its 5th token at the latest
+    options["eos_token_id"] = eos
+    ended = [bool((alone(target, p, 30, **options) == eos).any()) for p in prompts]
+    assert ended[1] and not all(ended)
+    rows_seen = {"target": [], "drafter": []}
+    hooks = [target.register_forward_pre_hook(lambda m, a, kw: rows_seen["target"].append(kw["input_ids"].shape[0]),
+                                              with_kwargs=True),
+             drafter.register_forward_pre_hook(
+                 lambda m, a, kw: rows_seen["drafter"].append(kw["noise_embedding"].shape[0]), with_kwargs=True)]
+    try:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                              **options)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert_rows_equal_alone(target, out, ids, prompts, 30, **options)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, **options))
+    assert rows_seen["target"][0] == len(prompts)  # the prefill (a row may end on its first token)
+    for seen in rows_seen.values():  # the batch only shrinks, and the rows that ended left it
+        assert seen == sorted(seen, reverse=True) and seen[-1] <= len(prompts) - 1
+    assert all(sum(row.acceptance_lengths) > 0 for row in drafter.last_stats.rows)

@@ -30,9 +30,10 @@ round (`BatchedDFlashLoop._drop_finished`: both caches and every per-row tensor 
 forward computes it -- plain batched decoding computes finished rows to the end. The holes are never compacted: long generations with low
 acceptance carry dead columns (at most ``B - 1`` per round).
 
-Block size: the same adaptive `DraftLengthController` as the single-sequence path, one block size per round for the
-whole batch (a round's cost is measured for this batch size, its acceptance is judged on every active row), falling
-back to plain batched decoding when drafting does not pay. No prompt lookup in the batch path.
+Block size: the adaptive `DraftLengthController` of the single-sequence path (`BatchDraftLengthController`: one
+draft per round as a candidate, larger sizes tried one at a time), one block size per round for the whole batch: a
+round's cost is measured in this call, so for this batch size (process CPU time on a CPU target), its acceptance is
+judged on every active row, and it falls back to plain batched decoding when drafting does not pay. No prompt lookup in the batch path.
 
 The drafter's causal and sliding-window layers get the logical positions of its cached slots
 (``cached_positions``), so its windows count positions, not slots.
@@ -67,6 +68,40 @@ from .generation_dflash import (
 
 # Logits processors that read the scores only, never the tokens: applied to every block position at once.
 _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+class BatchDraftLengthController(DraftLengthController):
+    """The adaptive block size for a batch: `DraftLengthController` with two changes for a verify whose cost grows
+    with batch x block (on this project's AVX2 EPYC in float32, verifying 16 tokens per row costs 2.3x a plain step
+    at batch 1, 2.9x at batch 4, 4.3x at batch 8; BENCHMARKS.md, "Batched DFlash"):
+
+    * each active row is one judgement of the round's drafts, so a round teaches ``b`` of them: the moving averages
+      of the acceptance rates move ``1/b`` as far per judgement, to remember as many rounds as at batch 1 (the fast
+      one would otherwise follow the last round's rows only);
+    * one draft per round is a candidate too (the cheapest drafted round, and the first one probed);
+    * sizes are tried one at a time upwards: an untried size competes (at the cost of the largest measured smaller
+      size, a lower bound) only when it is the next one above the largest measured size. A single round of 15 drafts
+      at batch 8 costs about four plain steps; it is tried only once 7 drafts measured cheap enough that it might pay.
+    """
+
+    def __init__(self, max_drafts: int, batch_size: int):
+        super().__init__(max_drafts)
+        self.batch_size = batch_size
+        self.candidates = sorted(set(self.candidates) | ({1} if max_drafts > 1 else set()))
+
+    def record_acceptance(self, judged: int, accepted: int) -> None:
+        rates = self.rates  # the round costs keep their own pace (one per round)
+        self.rates = tuple(rate / self.batch_size for rate in rates)
+        try:
+            super().record_acceptance(judged, accepted)
+        finally:
+            self.rates = rates
+
+    def best(self, slow: bool = False) -> int:
+        measured = [k for k in self.candidates if k in self.cost]
+        untried = [k for k in self.candidates if k > max(measured)]
+        sizes = measured + untried[:1]
+        return max(sizes, key=lambda k: self.expected_tokens(k, slow) / self.estimated_cost(k))
 
 
 class DFlashBatchStats(DFlashStats):
@@ -152,7 +187,10 @@ class BatchedDFlashLoop:
             )
         self.pad = int(pad if pad is not None else 0)
         self.block_size, adaptive = draft_settings(drafter, generation_config)
-        self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
+        self.controller = BatchDraftLengthController(self.block_size - 1, input_ids.shape[0]) if adaptive else None
+        # Round costs for the controller in process CPU time on a CPU target: wall time there charges a round for
+        # whatever else ran on its core meanwhile (on a shared core, 2x noise from one round to the next).
+        self.clock = time.process_time if target.device.type == "cpu" else time.perf_counter
         self.do_sample = bool(generation_config.do_sample)
         # Sampled drafts hand q to the verifier (as the single-sequence path); greedy drafts are judged by equality.
         sampled = self.do_sample and draft_sampling_mode(drafter, generation_config) == "sample"
@@ -246,7 +284,7 @@ class BatchedDFlashLoop:
         self.batch = int(keep.shape[0])
 
     def _round(self) -> None:
-        started = time.perf_counter()
+        started = self.clock()
         wanted = self.controller.choose() if self.controller is not None else self.block_size - 1
         shadow = self.controller is not None and self.controller.shadow
         active = ~self.done
@@ -269,7 +307,7 @@ class BatchedDFlashLoop:
         if self.controller is not None:
             self._teach_controller(drafts, committed, accepted, limits, active)
             if typical:
-                self.controller.record_cost(num_drafts, time.perf_counter() - started)
+                self.controller.record_cost(num_drafts, self.clock() - started)
 
     # ---------------------------------------------------------------- phases
 

@@ -379,3 +379,25 @@ def test_finished_rows_leave_the_batch_and_every_row_still_equals_its_prompt_alo
         assert seen == sorted(seen, reverse=True) and seen[-1] <= len(prompts) - 1
     for prompt, row in zip(prompts, drafter.last_stats.rows):  # statistics by the caller's row (prefill: 1 token)
         assert sum(row.acceptance_lengths) + 1 == alone(target, prompt, 30, **options).shape[0]
+
+
+def test_batch_controller_climbs_one_size_at_a_time_and_averages_per_round():
+    from dflash_hf.batch_generation_dflash import BatchDraftLengthController
+    from dflash_hf.generation_dflash import DraftLengthController
+
+    controller = BatchDraftLengthController(15, batch_size=4)
+    assert controller.candidates == [0, 1, 3, 7, 15]
+    controller.cost = {0: 1.0, 1: 1.2, 3: 1.4}
+    controller.acceptance = [[0.9] * 15, [0.9] * 15]
+    controller.judged = 15
+    assert controller.best() == 7  # 15 would look better at the lower-bound cost of 3, but 7 is untried
+    controller.cost[7] = 3.0  # 7 measured expensive: 15 (at least as expensive) is still not tried
+    assert controller.best() == 3
+    single = DraftLengthController(15)
+    for model in (controller, single):  # four rows rejecting draft 1 move the batch's estimate like one judgement
+        model.acceptance, model.observations = [[0.5] * 15, [0.5] * 15], [100] * 15
+    for _ in range(4):
+        controller.record_acceptance(1, 0)
+    single.record_acceptance(1, 0)
+    assert controller.acceptance[0][0] == pytest.approx(single.acceptance[0][0], abs=0.02)
+    assert controller.acceptance[0][0] < 0.5

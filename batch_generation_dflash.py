@@ -9,7 +9,8 @@ the single-sequence path, for every row at once:
 
 1. **feed context** (`BatchedDFlashLoop._take_context`): the target features of the slots written since the drafter
    last ran, with their per-row validity and positions;
-2. **draft** (`BatchedDFlashLoop._draft`): one drafter forward over ``[anchor, mask x (B-1)]`` for every row;
+2. **draft** (`BatchedDFlashLoop._draft`): one `DFlashDraftHead` call (the single-sequence path's draft head, one
+   hook-visible module call): the drafter over ``[anchor, mask x (B-1)]`` for every row, then the target's head;
 3. **verify** (`BatchedDFlashLoop._verify`): one target forward over ``[anchor, k drafts]`` for every row;
 4. **accept** (`BatchedDFlashLoop._accept`): per row the longest prefix of drafts equal to the target's tokens (greedy:
    its argmax; sampling: an independent sample at every position, i.e. rejection sampling with a one-hot draft
@@ -56,7 +57,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .generation_dflash import (
-    DFlashDrafterMixin,
+    DFlashDraftHead,
     DFlashStats,
     DraftLengthController,
     calibrate_head,
@@ -196,11 +197,7 @@ class BatchedDFlashLoop:
         sampled = self.do_sample and draft_sampling_mode(drafter, generation_config) == "sample"
         self.temperature = generation_config.temperature if sampled else None
         self.layer_ids = list(drafter.config.target_layer_ids)
-        self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        # Plain DFlash drafts every row independently (one head matmul for the whole batch); drafters that walk a
-        # path (DFlash2) propose row by row.
-        # (By name: a checkpoint's remote code has its own copy of the mixin.)
-        self.row_by_row = type(drafter).propose.__qualname__ != DFlashDrafterMixin.propose.__qualname__
+        self.draft_head = DFlashDraftHead(drafter, target.get_input_embeddings(), target.get_output_embeddings())
         self.cache = cache
 
         batch, prompt_len = input_ids.shape
@@ -239,9 +236,9 @@ class BatchedDFlashLoop:
         self.stats = DFlashBatchStats(self.block_size, batch)
         self.cache_argument = "cache" if "cache" in _forward_parameters(target) else "past_key_values"
         sizes = self.controller.candidates if self.controller is not None else [self.block_size - 1]
-        if not self.row_by_row:  # time the head's matmul forms now, not inside a measured round
+        if self.draft_head.rows_independent:  # time the head's matmul forms now, not inside a measured round
             for num_drafts in sizes:
-                calibrate_head(self.lm_head, batch * min(num_drafts + 1, self.block_size - 1))
+                calibrate_head(self.draft_head.lm_head, batch * min(num_drafts + 1, self.block_size - 1))
 
     # ---------------------------------------------------------------- the loop
 
@@ -335,38 +332,29 @@ class BatchedDFlashLoop:
         """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` for every row -> drafts ``[b, k']`` with
         ``k' = min(num_drafts + 1, B - 1)`` (one more than proposed, for the controller), and the draft
         distribution's logits ``[b, k', V]`` when the drafter has one."""
-        drafter = self.drafter
-        device = drafter.device
+        device = self.draft_head.draft_device
         context, context_positions = self._take_context()
         block_ids = torch.cat([self.anchor[:, None], self.mask_ids], dim=1)
         block_positions = self.num_valid[:, None] + torch.arange(self.block_size, device=self.device)
-        noise = drafter.embed_block(self.embed_tokens, block_ids).to(device=device, dtype=drafter.dtype)
         key_mask = torch.cat([self.slot_mask, torch.ones_like(block_ids, dtype=torch.bool)], dim=1)
-        hidden = drafter(
-            noise_embedding=noise,
-            target_hidden=context.to(device),
-            position_ids=torch.cat([context_positions, block_positions], dim=1).to(device),
-            attention_mask=key_mask.to(device),
-            past_key_values=self.drafter_cache,
-            use_cache=True,
-            cached_positions=self.drafter_positions.to(device),
-        ).last_hidden_state
-        self.drafter_positions = torch.cat([self.drafter_positions, context_positions], dim=1)
         judged = min(num_drafts + 1, self.block_size - 1)
-        weight = self.lm_head.weight
-        rows = hidden[:, 1 : 1 + judged].to(device=weight.device, dtype=weight.dtype)  # [b, k', H]
-        if not self.row_by_row:
-            drafts, logits = drafter.propose(self.lm_head, rows.reshape(-1, rows.shape[-1]), None, self.temperature)
-            drafts = drafts.view(self.batch, judged).to(self.device)
-            if logits is not None:
-                logits = logits.view(self.batch, judged, -1).to(self.device)
-                # The controller's extra draft is judged by equality with the target's token: q's argmax, as in the
-                # single-sequence path (a sampled one would match only with probability sum p*q).
-                drafts[:, num_drafts:] = logits[:, num_drafts:].argmax(dim=-1)
-            return drafts, logits
-        proposed = [drafter.propose(self.lm_head, rows[i], self.anchor[i], self.temperature) for i in range(self.batch)]
-        drafts = torch.stack([tokens for tokens, _ in proposed]).to(self.device)
-        logits = None if proposed[0][1] is None else torch.stack([q for _, q in proposed]).to(self.device)
+        drafts, logits = self.draft_head(
+            block_ids,
+            context.to(device),
+            torch.cat([context_positions, block_positions], dim=1).to(device),
+            self.drafter_cache,
+            judged,
+            self.temperature,
+            attention_mask=key_mask.to(device),
+            cached_positions=self.drafter_positions.to(device),
+        )
+        self.drafter_positions = torch.cat([self.drafter_positions, context_positions], dim=1)
+        drafts = drafts.to(self.device)
+        if logits is not None:
+            logits = logits.to(self.device)
+            # The controller's extra draft is judged by equality with the target's token: q's argmax, as in the
+            # single-sequence path (a sampled one would match only with probability sum p*q).
+            drafts[:, num_drafts:] = logits[:, num_drafts:].argmax(dim=-1)
         return drafts, logits
 
     def _verify(self, proposals: torch.LongTensor, limits: torch.LongTensor):

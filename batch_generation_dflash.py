@@ -251,6 +251,7 @@ class BatchedDFlashLoop:
         while not bool(self.done.all()):
             self._round()
             self._drop_finished()
+            self._close_holes()
         return self._output()
 
     def _output(self) -> torch.LongTensor:
@@ -305,6 +306,35 @@ class BatchedDFlashLoop:
             self._teach_controller(drafts, committed, accepted, limits, active)
             if typical:
                 self.controller.record_cost(num_drafts, self.clock() - started)
+
+    def _close_holes(self, min_dead: int = 16) -> None:
+        """Pack every row's valid slots together once dead slots (holes, and left padding no remaining row needs)
+        make up an eighth of the cache, and at least ``min_dead`` columns: every later forward attends over, masks
+        and copies all ``T`` columns, so rejected drafts would otherwise slow down every round after them.
+
+        The drafter has read the first ``D`` slots (its cache) and not the rest (``pending``); each part is packed
+        on its own, every row's valid slots right-aligned in their part in their order, so both caches stay slot for
+        slot aligned. Positions are logical (``num_valid``), so no position changes: only which column holds what.
+        """
+        total, read = self.slot_mask.shape[1], self.drafter_positions.shape[1]
+        if not self.pending or total - int(self.num_valid.max()) < max(min_dead, total // 8):
+            return
+        read_part, pending_part = self.slot_mask[:, :read], self.slot_mask[:, read:]
+        keep_read, keep_pending = int(read_part.sum(dim=1).max()), int(pending_part.sum(dim=1).max())
+        # A stable sort puts each row's invalid slots first and its valid ones after them, in order.
+        read_index = read_part.int().argsort(dim=1, stable=True)[:, read - keep_read :]
+        pending_index = pending_part.int().argsort(dim=1, stable=True)[:, total - read - keep_pending :]
+        index = torch.cat([read_index, read + pending_index], dim=1)  # [b, T']
+        _gather_slots(self.cache, index)
+        _gather_slots(self.drafter_cache, read_index.to(self.drafter.device))
+        self.slot_mask = self.slot_mask.gather(1, index)
+        self.drafter_positions = self.drafter_positions.gather(1, read_index)
+        features, valid, positions = (torch.cat(parts, dim=1) for parts in zip(*self.pending))
+        self.pending = [(
+            features.gather(1, pending_index[..., None].expand(-1, -1, features.shape[-1])),
+            valid.gather(1, pending_index),
+            positions.gather(1, pending_index),
+        )]
 
     # ---------------------------------------------------------------- phases
 
@@ -521,6 +551,16 @@ class BatchedDFlashLoop:
             if a == offered and judged > a:
                 a += int(drafts[row, a] == committed[row, a])
             self.controller.record_acceptance(judged, a)
+
+
+def _gather_slots(cache: DynamicCache, index: torch.LongTensor) -> None:
+    """Keep, in every layer of ``cache``, the slots ``index [b, T']`` of each row (keys/values ``[b, h, T, d]``)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        expanded = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+        layer.keys = layer.keys.gather(2, expanded.to(layer.keys.device))
+        layer.values = layer.values.gather(2, expanded.to(layer.values.device))
 
 
 def _forward_parameters(model) -> set:

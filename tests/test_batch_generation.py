@@ -401,3 +401,31 @@ def test_batch_controller_climbs_one_size_at_a_time_and_averages_per_round():
     single.record_acceptance(1, 0)
     assert controller.acceptance[0][0] == pytest.approx(single.acceptance[0][0], abs=0.02)
     assert controller.acceptance[0][0] < 0.5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_closing_the_holes_keeps_every_row_equal_to_its_prompt_alone(target, monkeypatch, attn):
+    """Packing each row's valid slots (`_close_holes`, here after every round with a hole) while rows accept 0, some
+    or all drafts: the cache narrows to the longest row, both caches stay aligned, every row is still its prompt
+    alone."""
+    target.config._attn_implementation = attn
+    drafter = tiny_drafter(target, block_size=6, attn=attn)
+    prompts = [random_prompt(120 + i, length) for i, length in enumerate((3, 17, 8))]
+    ids, mask = left_padded(prompts)
+    continuations = [alone(target, p, 40) for p in prompts]
+    pin_batch(monkeypatch, continuations, cuts=lambda row, r, n: (0, n, (r * 5 + 1) % (n + 1))[row])
+    widths = []
+    close = BatchedDFlashLoop._close_holes
+
+    def close_often(self, min_dead=16):
+        close(self, min_dead=1)
+        widths.append((self.slot_mask.shape[1], int(self.num_valid.max()), self.drafter_positions.shape[1]))
+        for layer in self.drafter_cache.layers:  # the drafter's cache holds exactly the slots it has read
+            assert layer.keys.shape[2] == self.drafter_positions.shape[1]
+
+    monkeypatch.setattr(BatchedDFlashLoop, "_close_holes", close_often)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+    assert_rows_equal_alone(target, out, ids, prompts, 40)
+    assert len(widths) > 3
+    # every time: no more columns than the longest row's slots plus at most one (pending) block of holes
+    assert all(width <= valid + 6 for width, valid, _ in widths)

@@ -28,8 +28,9 @@ dead in every row (beyond the longest acceptance) are cropped after each round. 
 slot for slot aligned with the target's: it is fed the features of every written slot (zeroed where invalid) with the
 same slot mask as its key mask, so the same holes are masked there. A row that finishes leaves the batch after its
 round (`BatchedDFlashLoop._drop_finished`: both caches and every per-row tensor keep the other rows), so no later
-forward computes it -- plain batched decoding computes finished rows to the end. The holes are never compacted: long generations with low
-acceptance carry dead columns (at most ``B - 1`` per round).
+forward computes it -- plain batched decoding computes finished rows to the end. Once dead slots (holes, left padding
+no remaining row needs) are an eighth of the cache, each row's valid slots are packed together
+(`BatchedDFlashLoop._close_holes`): every forward attends over, masks and copies all slots.
 
 Block size: the adaptive `DraftLengthController` of the single-sequence path (`BatchDraftLengthController`: one
 draft per round as a candidate, larger sizes tried one at a time), one block size per round for the whole batch: a

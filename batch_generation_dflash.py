@@ -35,7 +35,8 @@ no remaining row needs) are an eighth of the cache, each row's valid slots are p
 Block size: the adaptive `DraftLengthController` of the single-sequence path (`BatchDraftLengthController`: one
 draft per round as a candidate, larger sizes tried one at a time), one block size per round for the whole batch: a
 round's cost is measured in this call, so for this batch size (process CPU time on a CPU target), its acceptance is
-judged on every active row, and it falls back to plain batched decoding when drafting does not pay. No prompt lookup in the batch path.
+judged on every active row, and it falls back to plain batched decoding when drafting does not pay. No prompt lookup
+in the batch path.
 
 The drafter's causal and sliding-window layers get the logical positions of its cached slots
 (``cached_positions``), so its windows count positions, not slots.
@@ -73,9 +74,9 @@ _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, Min
 
 
 class BatchDraftLengthController(DraftLengthController):
-    """The adaptive block size for a batch: `DraftLengthController` with two changes for a verify whose cost grows
-    with batch x block (on this project's AVX2 EPYC in float32, verifying 16 tokens per row costs 2.3x a plain step
-    at batch 1, 2.9x at batch 4, 4.3x at batch 8; BENCHMARKS.md, "Batched DFlash"):
+    """The adaptive block size for a batch: `DraftLengthController` with three changes for a batch whose verify
+    cost grows with batch x block (on this project's AVX2 EPYC in float32, verifying 16 tokens per row costs 2.3x a
+    plain step at batch 1, 2.9x at batch 4, 4.3x at batch 8; BENCHMARKS.md, "Batched DFlash"):
 
     * each active row is one judgement of the round's drafts, so a round teaches ``b`` of them: the moving averages
       of the acceptance rates move ``1/b`` as far per judgement, to remember as many rounds as at batch 1 (the fast
@@ -160,7 +161,7 @@ def right_align(tokens: torch.LongTensor, lengths: torch.LongTensor, pad: int) -
 
 class BatchedDFlashLoop:
     """One batched DFlash ``generate`` call (see the module docstring). State, for the ``b`` rows still generating
-(``row_ids [b]``: their indices in the caller's batch; finished rows wait in ``finished_rows``):
+    (``row_ids [b]``: their indices in the caller's batch; finished rows wait in ``finished_rows``):
 
     * ``slot_mask [b, T]``: which of the target cache's ``T`` slots hold a committed token of the row;
     * ``num_valid [b]``: valid slots, i.e. the logical position of the row's anchor (its last committed token, not yet
@@ -236,10 +237,16 @@ class BatchedDFlashLoop:
                                    device=device)
         self.stats = DFlashBatchStats(self.block_size, batch)
         self.cache_argument = "cache" if "cache" in _forward_parameters(target) else "past_key_values"
+        self._calibrate_head()
+
+    def _calibrate_head(self) -> None:
+        """Time the draft head's matmul forms for this batch size now (`calibrate_head`, once per process and row
+        count), not inside a round whose cost the controller measures."""
+        if not self.draft_head.rows_independent:
+            return
         sizes = self.controller.candidates if self.controller is not None else [self.block_size - 1]
-        if self.draft_head.rows_independent:  # time the head's matmul forms now, not inside a measured round
-            for num_drafts in sizes:
-                calibrate_head(self.draft_head.lm_head, batch * min(num_drafts + 1, self.block_size - 1))
+        for num_drafts in sizes:
+            calibrate_head(self.draft_head.lm_head, self.batch * min(num_drafts + 1, self.block_size - 1))
 
     # ---------------------------------------------------------------- the loop
 
@@ -281,6 +288,7 @@ class BatchedDFlashLoop:
             setattr(self, name, getattr(self, name)[keep])
         self.pending = [tuple(part[keep] for part in entry) for entry in self.pending]
         self.batch = int(keep.shape[0])
+        self._calibrate_head()
 
     def _round(self) -> None:
         started = self.clock()

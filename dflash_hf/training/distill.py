@@ -126,7 +126,7 @@ def distill(config: DistillConfig) -> dict:
 
         drafter = load_drafter(config.draft, model, config.dtype, tokenizer)
         if drafter is None:
-            raise DFlashUserError(f"--draft {config.draft}: no drafter is shipped for this target; pass a drafter folder")
+            raise DFlashUserError(f"--draft {config.draft}: no drafter is shipped for this target; pass a folder")
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
 

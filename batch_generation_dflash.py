@@ -9,7 +9,8 @@ the single-sequence path, for every row at once:
 
 1. **feed context** (`BatchedDFlashLoop._take_context`): the target features of the slots written since the drafter
    last ran, with their per-row validity and positions;
-2. **draft** (`BatchedDFlashLoop._draft`): one drafter forward over ``[anchor, mask x (B-1)]`` for every row;
+2. **draft** (`BatchedDFlashLoop._draft`): one `DFlashDraftHead` call (the single-sequence path's draft head, one
+   hook-visible module call): the drafter over ``[anchor, mask x (B-1)]`` for every row, then the target's head;
 3. **verify** (`BatchedDFlashLoop._verify`): one target forward over ``[anchor, k drafts]`` for every row;
 4. **accept** (`BatchedDFlashLoop._accept`): per row the longest prefix of drafts equal to the target's tokens (greedy:
    its argmax; sampling: an independent sample at every position, i.e. rejection sampling with a one-hot draft
@@ -25,13 +26,17 @@ logical ``position_ids`` (the number of valid slots before it), so a row's keys 
 its own sequence and the holes are invisible. Rows accept different counts in the same round and none waits. Columns
 dead in every row (beyond the longest acceptance) are cropped after each round. The drafter's context cache is kept
 slot for slot aligned with the target's: it is fed the features of every written slot (zeroed where invalid) with the
-same slot mask as its key mask, so the same holes are masked there. Finished rows stay in the batch with no valid
-block slot (their queries still see their prompt). The holes are never compacted: long generations with low
-acceptance carry dead columns (at most ``B - 1`` per round).
+same slot mask as its key mask, so the same holes are masked there. A row that finishes leaves the batch after its
+round (`BatchedDFlashLoop._drop_finished`: both caches and every per-row tensor keep the other rows), so no later
+forward computes it -- plain batched decoding computes finished rows to the end. Once dead slots (holes, left padding
+no remaining row needs) are an eighth of the cache, each row's valid slots are packed together
+(`BatchedDFlashLoop._close_holes`): every forward attends over, masks and copies all slots.
 
-Block size: the same adaptive `DraftLengthController` as the single-sequence path, one block size per round for the
-whole batch (a round's cost is measured for this batch size, its acceptance is judged on every active row), falling
-back to plain batched decoding when drafting does not pay. No prompt lookup in the batch path.
+Block size: the adaptive `DraftLengthController` of the single-sequence path (`BatchDraftLengthController`: one
+draft per round as a candidate, larger sizes tried one at a time), one block size per round for the whole batch: a
+round's cost is measured in this call, so for this batch size (process CPU time on a CPU target), its acceptance is
+judged on every active row, and it falls back to plain batched decoding when drafting does not pay. No prompt lookup
+in the batch path.
 
 The drafter's causal and sliding-window layers get the logical positions of its cached slots
 (``cached_positions``), so its windows count positions, not slots.
@@ -54,7 +59,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .generation_dflash import (
-    DFlashDrafterMixin,
+    DFlashDraftHead,
     DFlashStats,
     DraftLengthController,
     calibrate_head,
@@ -66,6 +71,40 @@ from .generation_dflash import (
 
 # Logits processors that read the scores only, never the tokens: applied to every block position at once.
 _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+class BatchDraftLengthController(DraftLengthController):
+    """The adaptive block size for a batch: `DraftLengthController` with three changes for a batch whose verify
+    cost grows with batch x block (on this project's AVX2 EPYC in float32, verifying 16 tokens per row costs 2.3x a
+    plain step at batch 1, 2.9x at batch 4, 4.3x at batch 8; BENCHMARKS.md, "Batched DFlash"):
+
+    * each active row is one judgement of the round's drafts, so a round teaches ``b`` of them: the moving averages
+      of the acceptance rates move ``1/b`` as far per judgement, to remember as many rounds as at batch 1 (the fast
+      one would otherwise follow the last round's rows only);
+    * one draft per round is a candidate too (the cheapest drafted round, and the first one probed);
+    * sizes are tried one at a time upwards: an untried size competes (at the cost of the largest measured smaller
+      size, a lower bound) only when it is the next one above the largest measured size. A single round of 15 drafts
+      at batch 8 costs about four plain steps; it is tried only once 7 drafts measured cheap enough that it might pay.
+    """
+
+    def __init__(self, max_drafts: int, batch_size: int):
+        super().__init__(max_drafts)
+        self.batch_size = batch_size
+        self.candidates = sorted(set(self.candidates) | ({1} if max_drafts > 1 else set()))
+
+    def record_acceptance(self, judged: int, accepted: int) -> None:
+        rates = self.rates  # the round costs keep their own pace (one per round)
+        self.rates = tuple(rate / self.batch_size for rate in rates)
+        try:
+            super().record_acceptance(judged, accepted)
+        finally:
+            self.rates = rates
+
+    def best(self, slow: bool = False) -> int:
+        measured = [k for k in self.candidates if k in self.cost]
+        untried = [k for k in self.candidates if k > max(measured)]
+        sizes = measured + untried[:1]
+        return max(sizes, key=lambda k: self.expected_tokens(k, slow) / self.estimated_cost(k))
 
 
 class DFlashBatchStats(DFlashStats):
@@ -121,7 +160,8 @@ def right_align(tokens: torch.LongTensor, lengths: torch.LongTensor, pad: int) -
 
 
 class BatchedDFlashLoop:
-    """One batched DFlash ``generate`` call (see the module docstring). State, for ``b`` rows:
+    """One batched DFlash ``generate`` call (see the module docstring). State, for the ``b`` rows still generating
+    (``row_ids [b]``: their indices in the caller's batch; finished rows wait in ``finished_rows``):
 
     * ``slot_mask [b, T]``: which of the target cache's ``T`` slots hold a committed token of the row;
     * ``num_valid [b]``: valid slots, i.e. the logical position of the row's anchor (its last committed token, not yet
@@ -150,17 +190,16 @@ class BatchedDFlashLoop:
             )
         self.pad = int(pad if pad is not None else 0)
         self.block_size, adaptive = draft_settings(drafter, generation_config)
-        self.controller = DraftLengthController(self.block_size - 1) if adaptive else None
+        self.controller = BatchDraftLengthController(self.block_size - 1, input_ids.shape[0]) if adaptive else None
+        # Round costs for the controller in process CPU time on a CPU target: wall time there charges a round for
+        # whatever else ran on its core meanwhile (on a shared core, 2x noise from one round to the next).
+        self.clock = time.process_time if target.device.type == "cpu" else time.perf_counter
         self.do_sample = bool(generation_config.do_sample)
         # Sampled drafts hand q to the verifier (as the single-sequence path); greedy drafts are judged by equality.
         sampled = self.do_sample and draft_sampling_mode(drafter, generation_config) == "sample"
         self.temperature = generation_config.temperature if sampled else None
         self.layer_ids = list(drafter.config.target_layer_ids)
-        self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-        # Plain DFlash drafts every row independently (one head matmul for the whole batch); drafters that walk a
-        # path (DFlash2) propose row by row.
-        # (By name: a checkpoint's remote code has its own copy of the mixin.)
-        self.row_by_row = type(drafter).propose.__qualname__ != DFlashDrafterMixin.propose.__qualname__
+        self.draft_head = DFlashDraftHead(drafter, target.get_input_embeddings(), target.get_output_embeddings())
         self.cache = cache
 
         batch, prompt_len = input_ids.shape
@@ -174,6 +213,12 @@ class BatchedDFlashLoop:
                 "padding_side='left')."
             )
         self.batch, self.prompt_len, self.device = batch, prompt_len, device
+        # Rows still generating, as indices into the caller's batch: every per-row tensor below (and both caches)
+        # holds these rows only; a finished row's sequence moves to `finished_rows` (`_drop_finished`).
+        self.full_batch = batch
+        self.row_ids = torch.arange(batch, device=device)
+        self.finished_rows: dict[int, torch.LongTensor] = {}
+        self.finished_lengths: dict[int, int] = {}
         self.slot_mask = mask
         self.num_valid = mask.sum(dim=1)
         self.max_new = max(generation_config.max_length - prompt_len, 0)
@@ -192,10 +237,16 @@ class BatchedDFlashLoop:
                                    device=device)
         self.stats = DFlashBatchStats(self.block_size, batch)
         self.cache_argument = "cache" if "cache" in _forward_parameters(target) else "past_key_values"
+        self._calibrate_head()
+
+    def _calibrate_head(self) -> None:
+        """Time the draft head's matmul forms for this batch size now (`calibrate_head`, once per process and row
+        count), not inside a round whose cost the controller measures."""
+        if not self.draft_head.rows_independent:
+            return
         sizes = self.controller.candidates if self.controller is not None else [self.block_size - 1]
-        if not self.row_by_row:  # time the head's matmul forms now, not inside a measured round
-            for num_drafts in sizes:
-                calibrate_head(self.lm_head, batch * min(num_drafts + 1, self.block_size - 1))
+        for num_drafts in sizes:
+            calibrate_head(self.draft_head.lm_head, self.batch * min(num_drafts + 1, self.block_size - 1))
 
     # ---------------------------------------------------------------- the loop
 
@@ -204,12 +255,43 @@ class BatchedDFlashLoop:
         """Generate; returns ``[b, P + max generated]``, finished rows padded with ``pad_token_id``."""
         if self.max_new > 0:
             self._prefill()
+            self._drop_finished()
         while not bool(self.done.all()):
             self._round()
-        return self.sequences[:, : int(self.lengths.max())]
+            self._drop_finished()
+            self._close_holes()
+        return self._output()
+
+    def _output(self) -> torch.LongTensor:
+        """Every row of the caller's batch, in its order, cut to the longest -> ``[B, P + max generated]``."""
+        rows = dict(self.finished_rows)
+        rows.update(zip(self.row_ids.tolist(), self.sequences))
+        lengths = [self.prompt_len] + [int(n) for n in self.lengths] + list(self.finished_lengths.values())
+        return torch.stack([rows[i] for i in range(self.full_batch)])[:, : max(lengths)]
+
+    def _drop_finished(self) -> None:
+        """Rows that finished leave the batch: their sequences are kept aside, and every per-row tensor, the target's
+        cache and the drafter's cache keep the other rows only (one copy of each cache per finished round), so no
+        later forward computes a finished row. Plain batched decoding keeps them to the end, padded."""
+        done = self.done
+        if not bool(done.any()) or bool(done.all()):
+            return
+        for index in done.nonzero().flatten().tolist():
+            row = int(self.row_ids[index])
+            self.finished_rows[row] = self.sequences[index]
+            self.finished_lengths[row] = int(self.lengths[index])
+        keep = (~done).nonzero().flatten()
+        self.cache.batch_select_indices(keep)
+        self.drafter_cache.batch_select_indices(keep.to(self.drafter.device))
+        for name in ("row_ids", "slot_mask", "num_valid", "sequences", "lengths", "done", "anchor",
+                     "drafter_positions", "mask_ids"):
+            setattr(self, name, getattr(self, name)[keep])
+        self.pending = [tuple(part[keep] for part in entry) for entry in self.pending]
+        self.batch = int(keep.shape[0])
+        self._calibrate_head()
 
     def _round(self) -> None:
-        started = time.perf_counter()
+        started = self.clock()
         wanted = self.controller.choose() if self.controller is not None else self.block_size - 1
         shadow = self.controller is not None and self.controller.shadow
         active = ~self.done
@@ -228,11 +310,40 @@ class BatchedDFlashLoop:
         self._after_round(features, accepted, limits, active)
         self.stats.num_batch_rounds += 1
         for row in active.nonzero().flatten().tolist():
-            self.stats.record_row(row, int(limits[row]), int(kept[row]))
+            self.stats.record_row(int(self.row_ids[row]), int(limits[row]), int(kept[row]))
         if self.controller is not None:
             self._teach_controller(drafts, committed, accepted, limits, active)
             if typical:
-                self.controller.record_cost(num_drafts, time.perf_counter() - started)
+                self.controller.record_cost(num_drafts, self.clock() - started)
+
+    def _close_holes(self, min_dead: int = 16) -> None:
+        """Pack every row's valid slots together once dead slots (holes, and left padding no remaining row needs)
+        make up an eighth of the cache, and at least ``min_dead`` columns: every later forward attends over, masks
+        and copies all ``T`` columns, so rejected drafts would otherwise slow down every round after them.
+
+        The drafter has read the first ``D`` slots (its cache) and not the rest (``pending``); each part is packed
+        on its own, every row's valid slots right-aligned in their part in their order, so both caches stay slot for
+        slot aligned. Positions are logical (``num_valid``), so no position changes: only which column holds what.
+        """
+        total, read = self.slot_mask.shape[1], self.drafter_positions.shape[1]
+        if not self.pending or total - int(self.num_valid.max()) < max(min_dead, total // 8):
+            return
+        read_part, pending_part = self.slot_mask[:, :read], self.slot_mask[:, read:]
+        keep_read, keep_pending = int(read_part.sum(dim=1).max()), int(pending_part.sum(dim=1).max())
+        # A stable sort puts each row's invalid slots first and its valid ones after them, in order.
+        read_index = read_part.int().argsort(dim=1, stable=True)[:, read - keep_read :]
+        pending_index = pending_part.int().argsort(dim=1, stable=True)[:, total - read - keep_pending :]
+        index = torch.cat([read_index, read + pending_index], dim=1)  # [b, T']
+        _gather_slots(self.cache, index)
+        _gather_slots(self.drafter_cache, read_index.to(self.drafter.device))
+        self.slot_mask = self.slot_mask.gather(1, index)
+        self.drafter_positions = self.drafter_positions.gather(1, read_index)
+        features, valid, positions = (torch.cat(parts, dim=1) for parts in zip(*self.pending))
+        self.pending = [(
+            features.gather(1, pending_index[..., None].expand(-1, -1, features.shape[-1])),
+            valid.gather(1, pending_index),
+            positions.gather(1, pending_index),
+        )]
 
     # ---------------------------------------------------------------- phases
 
@@ -260,38 +371,29 @@ class BatchedDFlashLoop:
         """Draft: one drafter forward over ``[anchor, mask x (B-1)]`` for every row -> drafts ``[b, k']`` with
         ``k' = min(num_drafts + 1, B - 1)`` (one more than proposed, for the controller), and the draft
         distribution's logits ``[b, k', V]`` when the drafter has one."""
-        drafter = self.drafter
-        device = drafter.device
+        device = self.draft_head.draft_device
         context, context_positions = self._take_context()
         block_ids = torch.cat([self.anchor[:, None], self.mask_ids], dim=1)
         block_positions = self.num_valid[:, None] + torch.arange(self.block_size, device=self.device)
-        noise = drafter.embed_block(self.embed_tokens, block_ids).to(device=device, dtype=drafter.dtype)
         key_mask = torch.cat([self.slot_mask, torch.ones_like(block_ids, dtype=torch.bool)], dim=1)
-        hidden = drafter(
-            noise_embedding=noise,
-            target_hidden=context.to(device),
-            position_ids=torch.cat([context_positions, block_positions], dim=1).to(device),
-            attention_mask=key_mask.to(device),
-            past_key_values=self.drafter_cache,
-            use_cache=True,
-            cached_positions=self.drafter_positions.to(device),
-        ).last_hidden_state
-        self.drafter_positions = torch.cat([self.drafter_positions, context_positions], dim=1)
         judged = min(num_drafts + 1, self.block_size - 1)
-        weight = self.lm_head.weight
-        rows = hidden[:, 1 : 1 + judged].to(device=weight.device, dtype=weight.dtype)  # [b, k', H]
-        if not self.row_by_row:
-            drafts, logits = drafter.propose(self.lm_head, rows.reshape(-1, rows.shape[-1]), None, self.temperature)
-            drafts = drafts.view(self.batch, judged).to(self.device)
-            if logits is not None:
-                logits = logits.view(self.batch, judged, -1).to(self.device)
-                # The controller's extra draft is judged by equality with the target's token: q's argmax, as in the
-                # single-sequence path (a sampled one would match only with probability sum p*q).
-                drafts[:, num_drafts:] = logits[:, num_drafts:].argmax(dim=-1)
-            return drafts, logits
-        proposed = [drafter.propose(self.lm_head, rows[i], self.anchor[i], self.temperature) for i in range(self.batch)]
-        drafts = torch.stack([tokens for tokens, _ in proposed]).to(self.device)
-        logits = None if proposed[0][1] is None else torch.stack([q for _, q in proposed]).to(self.device)
+        drafts, logits = self.draft_head(
+            block_ids,
+            context.to(device),
+            torch.cat([context_positions, block_positions], dim=1).to(device),
+            self.drafter_cache,
+            judged,
+            self.temperature,
+            attention_mask=key_mask.to(device),
+            cached_positions=self.drafter_positions.to(device),
+        )
+        self.drafter_positions = torch.cat([self.drafter_positions, context_positions], dim=1)
+        drafts = drafts.to(self.device)
+        if logits is not None:
+            logits = logits.to(self.device)
+            # The controller's extra draft is judged by equality with the target's token: q's argmax, as in the
+            # single-sequence path (a sampled one would match only with probability sum p*q).
+            drafts[:, num_drafts:] = logits[:, num_drafts:].argmax(dim=-1)
         return drafts, logits
 
     def _verify(self, proposals: torch.LongTensor, limits: torch.LongTensor):
@@ -402,8 +504,8 @@ class BatchedDFlashLoop:
         Processors that read only the scores (temperature, top-k/p, ...) run once on all positions. Any other one is
         shown, for each row and position, the row's own prefix (left-padded prompt, its generated tokens, the drafts
         before the position: what plain batched generation shows that row at that step), in a batch of the real size
-        (processors may hold per-row state, e.g. the prompt padding the repetition penalty skips); the row's own line
-        of the result is kept.
+        (processors may hold per-row state, e.g. the prompt padding the repetition penalty skips); the line of the
+        row's index in the caller's batch is kept (finished rows have left the loop's batch, not the processors').
         """
         scores = logits
         rows = (~self.done).nonzero().flatten().tolist()
@@ -414,11 +516,12 @@ class BatchedDFlashLoop:
                 continue
             processed = scores.clone()
             for i in rows:
-                length = int(self.lengths[i])
+                length, caller_row = int(self.lengths[i]), int(self.row_ids[i])
                 row = torch.cat([self.sequences[i, :length], proposals[i]])
                 for j in range(scores.shape[1]):
-                    prefix = row[None, : length + j].expand(self.batch, -1)
-                    processed[i, j] = processor(prefix, scores[i : i + 1, j].expand(self.batch, -1))[i]
+                    prefix = row[None, : length + j].expand(self.full_batch, -1)
+                    shown = scores[i : i + 1, j].expand(self.full_batch, -1)
+                    processed[i, j] = processor(prefix, shown)[caller_row]
             scores = processed
         return scores
 
@@ -457,6 +560,16 @@ class BatchedDFlashLoop:
             if a == offered and judged > a:
                 a += int(drafts[row, a] == committed[row, a])
             self.controller.record_acceptance(judged, a)
+
+
+def _gather_slots(cache: DynamicCache, index: torch.LongTensor) -> None:
+    """Keep, in every layer of ``cache``, the slots ``index [b, T']`` of each row (keys/values ``[b, h, T, d]``)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        expanded = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+        layer.keys = layer.keys.gather(2, expanded.to(layer.keys.device))
+        layer.values = layer.values.gather(2, expanded.to(layer.values.device))
 
 
 def _forward_parameters(model) -> set:

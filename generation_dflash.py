@@ -416,24 +416,32 @@ class DFlashDraftHead(nn.Module):
 
     A module of its own, composing the drafter with the target's embedding and head (no weights of its own), so
     that each round's draft is one call that module hooks (``register_forward_hook``) and profilers see, head included
-    (`head_logits` may multiply by the head's weight without calling ``lm_head``).
+    (`head_logits` may multiply by the head's weight without calling ``lm_head``). The single-sequence generator and
+    the batched loop (`batch_generation_dflash`) both draft through it.
     """
 
     def __init__(self, drafter, embed_tokens, lm_head):
         super().__init__()
         self.drafter, self.embed_tokens, self.lm_head = drafter, embed_tokens, lm_head
         self.draft_device, self.draft_dtype = drafter.device, drafter.dtype
+        # Plain DFlash drafts every row of a batch independently (one head matmul for all); drafters that walk a path
+        # (DFlash2) propose row by row. (By name: a checkpoint's remote code has its own copy of the mixin.)
+        self.rows_independent = type(drafter).propose.__qualname__ == DFlashDrafterMixin.propose.__qualname__
 
     @torch.no_grad()
     def forward(
-        self, block_ids, context, position_ids, cache, num_rows: int, temperature: float | None = None, warp=None
+        self, block_ids, context, position_ids, cache, num_rows: int, temperature: float | None = None, warp=None,
+        **batch_inputs,
     ):
-        """``block_ids [1, B]`` (anchor, masks), ``context [1, C, F*H]`` (target features not yet in ``cache``),
-        ``position_ids [1, C + B]`` -> ``(drafts [1, M], draft logits [1, M, V] or None)`` for block rows ``1..M``,
+        """``block_ids [b, B]`` (anchor, masks), ``context [b, C, F*H]`` (target features not yet in ``cache``),
+        ``position_ids [b, C + B]`` -> ``(drafts [b, M], draft logits [b, M, V] or None)`` for block rows ``1..M``,
         ``M = num_rows``, by the drafter's `propose`: greedy (``temperature`` None) the argmax for DFlash and the
         greedy path for DFlash2, no q; sampled, drafts drawn from q = ``softmax(draft logits)`` -- for DFlash the
-        logits warped by ``warp`` (the target's logits processors, see `sample_drafts`), else divided by
-        ``temperature``; for DFlash2 the path selector's."""
+        logits warped by ``warp`` (the target's logits processors, see `sample_drafts`; one sequence only), else
+        divided by ``temperature``; for DFlash2 the path selector's.
+
+        ``batch_inputs`` (the batched loop's): ``attention_mask [b, cache + C + B]`` (its slot mask) and
+        ``cached_positions [b, cache]``, passed to the drafter."""
         drafter, weight = self.drafter, self.lm_head.weight
         noise = drafter.embed_block(self.embed_tokens, block_ids).to(device=self.draft_device, dtype=self.draft_dtype)
         hidden = drafter(
@@ -442,12 +450,18 @@ class DFlashDraftHead(nn.Module):
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
+            **batch_inputs,
         ).last_hidden_state
         # A 2-D [M, H] input: a 3-D slice keeps the stride of the full block in its batch dimension, and
         # torch.matmul then copies the whole transposed lm_head weight on every call (65 ms per round in bf16).
-        rows = hidden[0, 1 : 1 + num_rows].to(device=weight.device, dtype=weight.dtype)
-        drafts, draft_logits = drafter.propose(self.lm_head, rows, block_ids[0, 0], temperature, warp)
-        return drafts[None], None if draft_logits is None else draft_logits[None]
+        rows = hidden[:, 1 : 1 + num_rows].to(device=weight.device, dtype=weight.dtype)  # [b, M, H]
+        batch = rows.shape[0]
+        if batch > 1 and self.rows_independent:
+            drafts, logits = drafter.propose(self.lm_head, rows.reshape(-1, rows.shape[-1]), None, temperature, warp)
+            return drafts.view(batch, -1), None if logits is None else logits.view(batch, num_rows, -1)
+        proposed = [drafter.propose(self.lm_head, rows[i], block_ids[i, 0], temperature, warp) for i in range(batch)]
+        drafts = torch.stack([tokens for tokens, _ in proposed])
+        return drafts, None if proposed[0][1] is None else torch.stack([q for _, q in proposed])
 
 
 class DFlashCandidateGenerator(CandidateGenerator):

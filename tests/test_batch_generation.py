@@ -348,3 +348,84 @@ def test_dflash2_sampling_with_its_draft_distribution_follows_each_rows_target_d
     joints = [exact_joint(target, p, processors(0.7, 0, 1.0)) for p in prompts]
     options = dict(do_sample=True, temperature=0.7, top_k=None, top_p=1.0, max_new_tokens=3)
     assert_rows_sample_exactly(target, drafter, ids, mask, joints, options)
+
+
+def test_finished_rows_leave_the_batch_and_every_row_still_equals_its_prompt_alone(target):
+    """A row that ends (EOS) leaves every later forward (target and drafter), while the other rows -- with a logits
+    processor that reads each row's own prefix -- still equal their prompts generated alone."""
+    drafter = tiny_drafter(target, block_size=6)
+    prompts = [random_prompt(100 + i, length) for i, length in enumerate((9, 4, 22, 13))]
+    ids, mask = left_padded(prompts)
+    options = dict(pad_token_id=PAD, repetition_penalty=1.2)
+    eos = int(alone(target, prompts[1], 30, **options)[4])  # row 1 ends at its 5th token at the latest
+    options["eos_token_id"] = eos
+    ended = [bool((alone(target, p, 30, **options) == eos).any()) for p in prompts]
+    assert ended[1] and not all(ended)
+    rows_seen = {"target": [], "drafter": []}
+    hooks = [target.register_forward_pre_hook(lambda m, a, kw: rows_seen["target"].append(kw["input_ids"].shape[0]),
+                                              with_kwargs=True),
+             drafter.register_forward_pre_hook(
+                 lambda m, a, kw: rows_seen["drafter"].append(kw["noise_embedding"].shape[0]), with_kwargs=True)]
+    try:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                              **options)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert_rows_equal_alone(target, out, ids, prompts, 30, **options)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, **options))
+    assert rows_seen["target"][0] == len(prompts)  # the prefill (a row may end on its first token)
+    for seen in rows_seen.values():  # the batch only shrinks, and the rows that ended left it
+        assert seen == sorted(seen, reverse=True) and seen[-1] <= len(prompts) - 1
+    for prompt, row in zip(prompts, drafter.last_stats.rows):  # statistics by the caller's row (prefill: 1 token)
+        assert sum(row.acceptance_lengths) + 1 == alone(target, prompt, 30, **options).shape[0]
+
+
+def test_batch_controller_climbs_one_size_at_a_time_and_averages_per_round():
+    from dflash_hf.batch_generation_dflash import BatchDraftLengthController
+    from dflash_hf.generation_dflash import DraftLengthController
+
+    controller = BatchDraftLengthController(15, batch_size=4)
+    assert controller.candidates == [0, 1, 3, 7, 15]
+    controller.cost = {0: 1.0, 1: 1.2, 3: 1.4}
+    controller.acceptance = [[0.9] * 15, [0.9] * 15]
+    controller.judged = 15
+    assert controller.best() == 7  # 15 would look better at the lower-bound cost of 3, but 7 is untried
+    controller.cost[7] = 4.0  # 7 measured expensive: 15 (at least as expensive) is still not tried
+    assert controller.best() == 3
+    single = DraftLengthController(15)
+    for model in (controller, single):  # four rows rejecting draft 1 move the batch's estimate like one judgement
+        model.acceptance, model.observations = [[0.5] * 15, [0.5] * 15], [100] * 15
+    for _ in range(4):
+        controller.record_acceptance(1, 0)
+    single.record_acceptance(1, 0)
+    assert controller.acceptance[0][0] == pytest.approx(single.acceptance[0][0], abs=0.02)
+    assert controller.acceptance[0][0] < 0.5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_closing_the_holes_keeps_every_row_equal_to_its_prompt_alone(target, monkeypatch, attn):
+    """Packing each row's valid slots (`_close_holes`, here after every round with a hole) while rows accept 0, some
+    or all drafts: the cache narrows to the longest row, both caches stay aligned, every row is still its prompt
+    alone."""
+    target.config._attn_implementation = attn
+    drafter = tiny_drafter(target, block_size=6, attn=attn)
+    prompts = [random_prompt(120 + i, length) for i, length in enumerate((3, 17, 8))]
+    ids, mask = left_padded(prompts)
+    continuations = [alone(target, p, 40) for p in prompts]
+    pin_batch(monkeypatch, continuations, cuts=lambda row, r, n: (0, n, (r * 5 + 1) % (n + 1))[row])
+    widths = []
+    close = BatchedDFlashLoop._close_holes
+
+    def close_often(self, min_dead=16):
+        close(self, min_dead=1)
+        widths.append((self.slot_mask.shape[1], int(self.num_valid.max()), self.drafter_positions.shape[1]))
+        for layer in self.drafter_cache.layers:  # the drafter's cache holds exactly the slots it has read
+            assert layer.keys.shape[2] == self.drafter_positions.shape[1]
+
+    monkeypatch.setattr(BatchedDFlashLoop, "_close_holes", close_often)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+    assert_rows_equal_alone(target, out, ids, prompts, 40)
+    assert len(widths) > 3
+    # every time: no more columns than the longest row's slots plus at most one (pending) block of holes
+    assert all(width <= valid + 6 for width, valid, _ in widths)

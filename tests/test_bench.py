@@ -289,7 +289,8 @@ def test_batch_benchmark_times_whole_batches_and_checks_every_row(models):
     summary = result["summary"]
     assert summary["rows"] == summary["rows_equal"] == 3  # batches of 2 and 1, every row identical
     assert summary["greedy"]["tokens"] == summary["dflash"]["tokens"] == 3 * 8
-    assert len(result["runs"]) == 4 and summary["speedup"] > 0
+    assert len(result["runs"]) == 4 and summary["speedup"] > 0 and summary["cpu_speedup"] > 0
+    assert all(run["cpu_seconds"] > 0 for run in result["runs"])
     assert "| dflash | 24 |" in batch_report(result)
     rows = torch.tensor([[9, 9, 5, 2, 0, 0], [9, 9, 5, 6, 7, 8]])  # prompt width 2, EOS 2 then padding
     assert generated_tokens(rows, 2, [2]) == 2 + 4

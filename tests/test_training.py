@@ -506,3 +506,34 @@ def test_bad_chat_template_kwargs_name_the_flag(work, tmp_path):
     with pytest.raises(ValueError, match="--chat-template-kwargs is not valid JSON"):
         main(["distill", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--out",
               str(tmp_path), "--chat-template-kwargs", "{enable_thinking: false}"])
+
+
+def test_distill_with_a_drafter_writes_the_plain_paths_tokens(work, tmp_path):
+    """``distill --draft``: the batches decode with batched DFlash and the shards hold exactly the plain path's
+    tokens (greedy, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(work / "target")
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=MASK, num_hidden_layers=1, block_size=4,
+                                             target_layer_ids=[0, 2])
+    torch.manual_seed(0)
+    DFlashDraftModel(config).save_pretrained(tmp_path / "drafter")
+    calls = []
+    from dflash_hf import batch_generation_dflash
+
+    original = batch_generation_dflash.BatchedDFlashLoop.run
+    batch_generation_dflash.BatchedDFlashLoop.run = lambda self: calls.append(self.batch) or original(self)
+    try:
+        main(["distill", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--out",
+              str(tmp_path / "data"), "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "40",
+              "--target-layer-ids", LAYERS, "--no-features", "--draft", str(tmp_path / "drafter")])
+    finally:
+        batch_generation_dflash.BatchedDFlashLoop.run = original
+    assert calls and all(rows == 2 for rows in calls)  # every shard's batch went through the batched loop
+    plain, drafted = ShardDataset(work / "data"), ShardDataset(tmp_path / "data")
+    assert len(plain) == len(drafted) == 6
+    for i in range(len(plain)):
+        assert torch.equal(plain[i]["input_ids"], drafted[i]["input_ids"])
+        assert torch.equal(plain[i]["loss_mask"], drafted[i]["loss_mask"])
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["draft"] == str(tmp_path / "drafter")

@@ -62,6 +62,9 @@ def add_distill_parser(subparsers):
     p.add_argument("--target-layer-ids", type=_int_list, default=None,
                    help="feature layers, e.g. '1,8,14,20,27' (default: build_target_layer_ids)")
     p.add_argument("--time-budget", type=NON_NEGATIVE, default=None, help="seconds; no new shard starts after this")
+    p.add_argument("--draft", default=None,
+                   help="a DFlash drafter for the target ('default': the shipped one): the batches decode with batched "
+                   "DFlash, the same tokens as plain generation (greedy) or the same distribution (sampling)")
     _add_distill_options(p)
     p.set_defaults(func=run_distill)
     return p

@@ -45,6 +45,7 @@ class DistillConfig(RunConfig, GenerationOptions):
     dtype: str = "float32"  # target dtype
     target_layer_ids: list[int] | None = None  # feature layers (None: build_target_layer_ids)
     time_budget: float | None = None  # seconds; no new shard starts after this
+    draft: str | None = None  # a DFlash drafter folder for the target: batches decode with batched DFlash (same tokens)
 
 
 @dataclass(kw_only=True)

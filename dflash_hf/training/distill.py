@@ -53,8 +53,10 @@ def encode_prompt(tokenizer, text: str, chat_template_kwargs: dict | None = None
 
 @torch.no_grad()
 def generate_responses(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float,
-                       eos: list[int], pad_id: int) -> list[list[int]]:
-    """Batched generation with left padding; each response is cut after its first EOS (inclusive)."""
+                       eos: list[int], pad_id: int, drafter=None) -> list[list[int]]:
+    """Batched generation with left padding; each response is cut after its first EOS (inclusive). With a DFlash
+    ``drafter``, the batch decodes with batched DFlash (``generate(..., assistant_model=drafter)``): lossless, so the
+    same responses as plain greedy generation, or the same distribution when sampling."""
     device = model.device
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
@@ -64,6 +66,8 @@ def generate_responses(model, tokenizer, prompt_ids: list[list[int]], max_new_to
         attention_mask[i, width - len(ids):] = 1
     options = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos or None)
     options |= sampling_options(temperature)
+    if drafter is not None:
+        options["assistant_model"] = drafter
     out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **options)
     responses = []
     for row in out[:, width:].tolist():
@@ -116,6 +120,13 @@ def distill(config: DistillConfig) -> dict:
         logger.warning("skipped prompt line %s", problem)
     model, tokenizer = load_target(config.target, dtype=config.dtype, device=device)
     layer_ids = config.target_layer_ids or default_layer_ids(model.config, config.num_features)
+    drafter = None
+    if config.draft:
+        from ..loading import load_drafter
+
+        drafter = load_drafter(config.draft, model, config.dtype, tokenizer)
+        if drafter is None:
+            raise DFlashUserError(f"--draft {config.draft}: no drafter is shipped for this target; pass a folder")
     eos = eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
 
@@ -134,7 +145,7 @@ def distill(config: DistillConfig) -> dict:
     todo = [s for s in mine if not shard_path(out_dir, s).exists()]
     info = dict(target=str(config.target), target_layer_ids=layer_ids, num_prompts=len(encoded),
                 num_shards=num_shards, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                dtype=config.dtype, features=not config.no_features, skipped=problems)
+                dtype=config.dtype, features=not config.no_features, skipped=problems, draft=config.draft)
     logger.info("%d prompts, %d shards (%d already done), layer ids %s", len(encoded), num_shards,
                 len(mine) - len(todo), layer_ids)
     start, written, tokens = time.monotonic(), [], 0
@@ -150,7 +161,7 @@ def distill(config: DistillConfig) -> dict:
             batch = chunk[b : b + config.batch_size]
             prompt_ids = [ids for _, ids in batch]
             responses = generate_responses(model, tokenizer, prompt_ids, config.max_new_tokens, config.temperature,
-                                           eos, pad_id)
+                                           eos, pad_id, drafter)
             full = [p + r for p, r in zip(prompt_ids, responses)]
             feats = None if config.no_features else teacher_forced_features(model, full, layer_ids, pad_id)
             for i, (p, r) in enumerate(zip(prompt_ids, responses)):

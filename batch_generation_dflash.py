@@ -74,17 +74,17 @@ _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, Min
 
 
 class BatchDraftLengthController(DraftLengthController):
-    """The adaptive block size for a batch: `DraftLengthController` with three changes for a batch whose verify
+    """The adaptive block size for a batch: `DraftLengthController` with two changes for a batch whose verify
     cost grows with batch x block (on this project's AVX2 EPYC in float32, verifying 16 tokens per row costs 2.3x a
     plain step at batch 1, 2.9x at batch 4, 4.3x at batch 8; BENCHMARKS.md, "Batched DFlash"):
 
     * each active row is one judgement of the round's drafts, so a round teaches ``b`` of them: the moving averages
       of the acceptance rates move ``1/b`` as far per judgement, to remember as many rounds as at batch 1 (the fast
       one would otherwise follow the last round's rows only);
-    * one draft per round is a candidate too (the cheapest drafted round, and the first one probed);
-    * sizes are tried one at a time upwards: an untried size competes (at the cost of the largest measured smaller
-      size, a lower bound) only when it is the next one above the largest measured size. A single round of 15 drafts
-      at batch 8 costs about four plain steps; it is tried only once 7 drafts measured cheap enough that it might pay.
+    * one draft per round is a candidate too (the cheapest drafted round, and the first one probed).
+
+    Sizes are tried one at a time upwards, as at batch 1: a round of 15 drafts at batch 8 costs about four plain steps,
+    and is tried only once 7 drafts measured cheap enough that it might pay.
     """
 
     def __init__(self, max_drafts: int, batch_size: int):
@@ -99,12 +99,6 @@ class BatchDraftLengthController(DraftLengthController):
             super().record_acceptance(judged, accepted)
         finally:
             self.rates = rates
-
-    def best(self, slow: bool = False) -> int:
-        measured = [k for k in self.candidates if k in self.cost]
-        untried = [k for k in self.candidates if k > max(measured)]
-        sizes = measured + untried[:1]
-        return max(sizes, key=lambda k: self.expected_tokens(k, slow) / self.estimated_cost(k))
 
 
 class DFlashBatchStats(DFlashStats):
@@ -191,9 +185,6 @@ class BatchedDFlashLoop:
         self.pad = int(pad if pad is not None else 0)
         self.block_size, adaptive = draft_settings(drafter, generation_config)
         self.controller = BatchDraftLengthController(self.block_size - 1, input_ids.shape[0]) if adaptive else None
-        # Round costs for the controller in process CPU time on a CPU target: wall time there charges a round for
-        # whatever else ran on its core meanwhile (on a shared core, 2x noise from one round to the next).
-        self.clock = time.process_time if target.device.type == "cpu" else time.perf_counter
         self.do_sample = bool(generation_config.do_sample)
         # Sampled drafts hand q to the verifier (as the single-sequence path); greedy drafts are judged by equality.
         sampled = self.do_sample and draft_sampling_mode(drafter, generation_config) == "sample"
@@ -291,7 +282,7 @@ class BatchedDFlashLoop:
         self._calibrate_head()
 
     def _round(self) -> None:
-        started = self.clock()
+        started = time.perf_counter()
         wanted = self.controller.choose() if self.controller is not None else self.block_size - 1
         shadow = self.controller is not None and self.controller.shadow
         active = ~self.done
@@ -314,7 +305,7 @@ class BatchedDFlashLoop:
         if self.controller is not None:
             self._teach_controller(drafts, committed, accepted, limits, active)
             if typical:
-                self.controller.record_cost(num_drafts, self.clock() - started)
+                self.controller.record_cost(num_drafts, time.perf_counter() - started)
 
     def _close_holes(self, min_dead: int = 16) -> None:
         """Pack every row's valid slots together once dead slots (holes, and left padding no remaining row needs)

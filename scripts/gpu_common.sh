@@ -8,7 +8,8 @@
 #
 # Settings (environment): PYTHON (python3), OUT (required: the folder whose files come back), DFLASH_GPU_STAGE,
 # DFLASH_GPU_CARRIED (the carried folders, default .gpu), DFLASH_GPU_TARGET (a ready target folder: no GGUF; the
-# rehearsals use it).
+# rehearsals use it), DFLASH_GPU_WHEEL_PYTHON (a rehearsal on another Python: install the wheels as for this
+# version, e.g. 3.12, and leave out their compiled modules).
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 STAGE=${DFLASH_GPU_STAGE:-/tmp/dflash-gpu}
@@ -26,8 +27,25 @@ gpu_prepare() {
   "$PY" "$REPO/scripts/gpu_parts.py" stage "$CARRIED" "$STAGE"
   if [ -d "$STAGE/1/wheels" ] && [ ! -f "$STAGE/site/.installed" ]; then
     log "installing $(ls "$STAGE"/1/wheels | tr '\n' ' ')"
+    local device_python=()  # a rehearsal on another Python installs the set as for the device's (same checks)
+    if [ -n "${DFLASH_GPU_WHEEL_PYTHON:-}" ]; then
+      device_python=(--python-version "$DFLASH_GPU_WHEEL_PYTHON" --implementation cp --only-binary=:all:
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+    fi
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" \
-      "$STAGE"/1/wheels/*.whl
+      "${device_python[@]}" "$STAGE"/1/wheels/*.whl
+    if [ -n "${DFLASH_GPU_WHEEL_PYTHON:-}" ]; then  # their compiled modules cannot load here: use this Python's
+      "$PY" - "$STAGE/site" <<'EOF'
+import shutil, sys, sysconfig
+from pathlib import Path
+here = sysconfig.get_config_var("EXT_SUFFIX")
+for package in Path(sys.argv[1]).iterdir():
+    foreign = [p for p in package.rglob("*.so") if not p.name.endswith((here, ".abi3.so"))] if package.is_dir() else []
+    if foreign:
+        print(f"rehearsal: leaving out {package.name} (built for the device's Python)")
+        shutil.rmtree(package)
+EOF
+    fi
     touch "$STAGE/site/.installed"
   fi
   export PYTHONPATH="$STAGE/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -39,7 +57,8 @@ import torch, transformers
 from importlib.metadata import version
 import dflash_hf  # noqa: F401  (fails here, not after the transfer, when the carried transformers does not fit)
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-print(f"torch {torch.__version__}, transformers {transformers.__version__} ({transformers.__file__}), {gpu}")
+print(f"torch {torch.__version__}, transformers {transformers.__version__} ({transformers.__file__}), "
+      f"dflash_hf from {dflash_hf.__file__}, {gpu}")
 EOF
   GPU_READY=no
   if [ -n "${DFLASH_GPU_TARGET:-}" ]; then

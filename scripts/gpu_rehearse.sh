@@ -4,7 +4,7 @@
 # the GGUF, then scripts/gpu_train.sh and scripts/gpu_speed.sh with tiny budgets on CPU; what each call leaves in
 # $OUT is checked against the return rules (8 files, 16 MiB each, two folders down, plain names).
 #
-#   bash scripts/gpu_pack.sh && git commit ... && bash scripts/gpu_rehearse.sh     # ~5 minutes on one core
+#   bash scripts/gpu_pack.sh && git commit ... && bash scripts/gpu_rehearse.sh     # ~15 minutes on one busy core
 set -euo pipefail
 SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 R=${REHEARSAL:-/tmp/dflash-rehearse}
@@ -15,7 +15,7 @@ mkdir -p "$R"
 git clone -q "$SRC" "$R/repo"
 export DFLASH_GPU_STAGE=$R/stage OMP_NUM_THREADS=1 DFLASH_GPU_WHEEL_PYTHON=3.12
 # tiny budgets on one CPU core
-export DEVICE=cpu TOTAL_SECONDS=${TOTAL_SECONDS:-150} DISTILL_SECONDS=20 DISTILL_EXTRA=2 DISTILL_TOKENS=8 \
+export DEVICE=cpu TOTAL_SECONDS=${TOTAL_SECONDS:-600} DISTILL_SECONDS=20 DISTILL_EXTRA=2 DISTILL_TOKENS=8 \
   DISTILL_BATCH=2 EVAL_SECONDS=40 EVAL_LIMIT=1 EVAL_TOKENS=8 BATCH=1 ANCHORS=8 EPOCHS=1 EXPORT_EVERY=10 ATTN=sdpa
 call() {  # call K SCRIPT: carry .gpu/K only, as the run tool does, into a fresh $OUT
   rm -rf "$R/repo/.gpu" "$R/out-$1"

@@ -82,18 +82,30 @@ for shard in "$DATA"/*/shard-*.safetensors; do
 done
 log "training data: $i shards"
 
-# ---- train
-TRAIN_SECONDS=$((TOTAL_SECONDS - SECONDS - EVAL_SECONDS - 15))
-if [ "$TRAIN_SECONDS" -lt 5 ]; then
-  TRAIN_SECONDS=5
+# ---- train (FlexAttention first; if that fails, SDPA with the dense block mask for the time left)
+time_left() {  # seconds until the evaluation's share of TOTAL_SECONDS
+  local seconds=$((TOTAL_SECONDS - SECONDS - EVAL_SECONDS - 15))
+  echo $((seconds < 5 ? 5 : seconds))
+}
+train_drafter() {  # train_drafter ATTN SECONDS (--schedule time: the seconds of the whole run, resumes included)
+  log "training with $1 for $2 s of schedule"
+  "$PY" -m dflash_hf train --target "$TARGET" --data "$MIX" --output-dir "$STAGE/run" --mask-token-id "$MASK" \
+    --init-from "$INIT_FROM" --online-features --target-dtype "$DTYPE" $([ "$DTYPE" = bfloat16 ] && echo --bf16) \
+    --attn-implementation "$1" --num-anchors "$ANCHORS" --batch-size "$BATCH" --lr "$LR" --warmup-ratio 0.04 \
+    --epochs "$EPOCHS" --schedule time --time-budget "$2" --max-length 3072 --save-every 200 \
+    --keep-checkpoints 1 --log-every 10 --final-max-shard-size 15MB --export-dir "$OUT" \
+    --export-every "$EXPORT_EVERY" --device "$DEVICE" --seed 0 --quiet --resume auto
+}
+TRAIN_SECONDS=$(time_left)
+if ! train_drafter "$ATTN" "$TRAIN_SECONDS"; then
+  [ "$ATTN" != sdpa ] || exit 1
+  log "training with $ATTN failed: retrying with sdpa"
+  if [ -f "$STAGE/run/latest" ]; then  # resumed: the schedule's clock goes on from the checkpoint's time
+    train_drafter sdpa "$TRAIN_SECONDS"
+  else
+    train_drafter sdpa "$(time_left)"
+  fi
 fi
-log "training for $TRAIN_SECONDS s"
-"$PY" -m dflash_hf train --target "$TARGET" --data "$MIX" --output-dir "$STAGE/run" --mask-token-id "$MASK" \
-  --init-from "$INIT_FROM" --online-features --target-dtype "$DTYPE" $([ "$DTYPE" = bfloat16 ] && echo --bf16) \
-  --attn-implementation "$ATTN" --num-anchors "$ANCHORS" --batch-size "$BATCH" --lr "$LR" --warmup-ratio 0.04 \
-  --epochs "$EPOCHS" --schedule time --time-budget "$TRAIN_SECONDS" --max-length 3072 --save-every 200 \
-  --keep-checkpoints 1 --log-every 10 --final-max-shard-size 15MB --export-dir "$OUT" --export-every "$EXPORT_EVERY" \
-  --device "$DEVICE" --seed 0 --quiet --resume auto
 
 # ---- evaluate, if time is left
 for name in gsm8k humaneval mtbench; do

@@ -15,9 +15,9 @@
 # DISTILL_SECONDS=90 (0: no new answers), EVAL_SECONDS=75 (kept for the evaluation; it is skipped when less is
 # left), BATCH=16, ANCHORS=512, EPOCHS=6, LR=6e-4, ATTN=flex_attention (sdpa if FlexAttention fails), DEVICE=cuda,
 # DISTILL_BATCH=96, DISTILL_TOKENS=384, DISTILL_EXTRA (prompts past the committed ones; default all the time
-# allows), EXPORT_EVERY=60, EVAL_LIMIT=10, EVAL_TOKENS=128, MASK=16, INIT_FROM (the shipped drafter), CORPUS (the committed
-# corpus folder), PROMPTS ($STAGE/1/prompts), plus those of scripts/gpu_common.sh. The rehearsals on CPU
-# (scripts/gpu_rehearse.sh, tests/test_gpu_scripts.py) set them small.
+# allows), EXPORT_EVERY=60, EVAL_LIMIT=10, EVAL_TOKENS=128, EVAL_BLOCK=16, MASK=16, INIT_FROM (the shipped
+# drafter), CORPUS (the committed corpus folder), PROMPTS ($STAGE/1/prompts), plus those of scripts/gpu_common.sh;
+# DEVICE=cpu runs the target in float32 (the rehearsals: scripts/gpu_rehearse.sh, tests/test_gpu_scripts.py).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
 mkdir -p "$OUT"
@@ -38,6 +38,7 @@ DISTILL_EXTRA=${DISTILL_EXTRA:-}
 EXPORT_EVERY=${EXPORT_EVERY:-60}
 EVAL_LIMIT=${EVAL_LIMIT:-10}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
+EVAL_BLOCK=${EVAL_BLOCK:-16}
 MASK=${MASK:-16}
 INIT_FROM=${INIT_FROM:-$REPO/dflash_hf/drafters/smollm2-135m-instruct}
 CORPUS=${CORPUS:-$REPO/dflash_hf/corpora/smollm2-135m-instruct}
@@ -115,7 +116,7 @@ for name in gsm8k humaneval mtbench; do
   fi
   if [ -f "$PROMPTS/eval-$name.jsonl" ]; then
     "$PY" -m dflash_hf eval --target "$TARGET" --draft "$STAGE/run/final" --prompts "$PROMPTS/eval-$name.jsonl" \
-      --limit "$EVAL_LIMIT" --block-sizes 16 --max-new-tokens "$EVAL_TOKENS" --dtype "$DTYPE" --draft-dtype "$DTYPE" \
+      --limit "$EVAL_LIMIT" --block-sizes "$EVAL_BLOCK" --max-new-tokens "$EVAL_TOKENS" --dtype "$DTYPE" --draft-dtype "$DTYPE" \
       --device "$DEVICE" --quiet --output "$STAGE/eval-$name.json"
   fi
 done

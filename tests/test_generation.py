@@ -22,6 +22,19 @@ def varied_cuts(round_index, num_drafts):
     return (round_index * 7 + 3) % (num_drafts + 1)
 
 
+def varied_proposals(plain):
+    """The reference loop's ``propose``: ``plain``'s continuation cut as `varied_cuts` says (as `oracle.pin` does)."""
+
+    def propose(round_index, anchor, real):
+        pinned = plain[:, anchor + 1 : anchor + 1 + real.shape[1]].clone()
+        cut = varied_cuts(round_index, pinned.shape[1])
+        if cut < pinned.shape[1]:
+            pinned[:, cut] = (pinned[:, cut] + 1) % VOCAB
+        return pinned
+
+    return propose
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("block_size", [1, 2, 4, 16])
 def test_greedy_identical_with_random_drafter(target, attn, block_size):
@@ -45,14 +58,7 @@ def test_proposals_match_reference_round_under_pinned_acceptance(target, attn, b
     generators = pin(drafter, plain, varied_cuts)
     out = greedy(target, ids, 40, assistant_model=drafter)
 
-    def propose(round_index, anchor, real):
-        pinned = plain[:, anchor + 1 : anchor + 1 + real.shape[1]].clone()
-        cut = varied_cuts(round_index, pinned.shape[1])
-        if cut < pinned.shape[1]:
-            pinned[:, cut] = (pinned[:, cut] + 1) % VOCAB
-        return pinned
-
-    reference, reference_rounds = reference_generate(target, drafter, ids, 40, propose)
+    reference, reference_rounds = reference_generate(target, drafter, ids, 40, varied_proposals(plain))
     ours = generators[0].real_proposals
     assert torch.equal(out, plain) and torch.equal(reference, plain)
     assert len(ours) == len(reference_rounds) > 3
@@ -69,15 +75,9 @@ def test_reference_loop_on_the_model_forward_matches_the_hand_written_one(target
     ids = random_prompt(5)
     plain = greedy(target, ids, 30)
 
-    def propose(round_index, anchor, real):
-        pinned = plain[:, anchor + 1 : anchor + 1 + real.shape[1]].clone()
-        cut = varied_cuts(round_index, pinned.shape[1])
-        if cut < pinned.shape[1]:
-            pinned[:, cut] = (pinned[:, cut] + 1) % VOCAB
-        return pinned
-
-    by_hand, hand_rounds = reference_generate(target, drafter, ids, 30, propose)
-    by_model, model_rounds = reference_generate(target, drafter, ids, 30, propose, implementation=ModelDrafter)
+    by_hand, hand_rounds = reference_generate(target, drafter, ids, 30, varied_proposals(plain))
+    by_model, model_rounds = reference_generate(target, drafter, ids, 30, varied_proposals(plain),
+                                                implementation=ModelDrafter)
     assert torch.equal(by_model, plain) and torch.equal(by_hand, plain)
     assert len(model_rounds) == len(hand_rounds) > 3
     assert all(torch.equal(a, b) for a, b in zip(model_rounds, hand_rounds))

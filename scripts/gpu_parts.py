@@ -163,7 +163,9 @@ def check_out(out: Path) -> list[str]:
     """What in ``out`` would not come back from the machine: more than 8 files, a file over 16 MiB or 64 MiB in
     all, a file more than two folders down, a name with characters other than letters, digits, '.', '_', '-'."""
     files = sorted(p for p in out.rglob("*") if p.is_file() or p.is_symlink())
-    problems = [f"{len(files)} files: at most {OUT_RULES['files']} come back"] if len(files) > OUT_RULES["files"] else []
+    problems = []
+    if len(files) > OUT_RULES["files"]:
+        problems.append(f"{len(files)} files: at most {OUT_RULES['files']} come back")
     if sum(p.stat().st_size for p in files) > OUT_RULES["total_bytes"]:
         problems.append("over 64 MiB in all")
     for path in files:

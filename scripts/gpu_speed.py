@@ -87,7 +87,9 @@ def run_method(name, target, drafter, input_ids, max_new_tokens, profiler, pinne
         propose = None
         if pinned is not None:
             continuation, accept = pinned
-            propose = lambda _round, anchor, real: corrupt_at(continuation, anchor + 1, real.shape[1], accept, vocab)  # noqa: E731
+
+            def propose(_round, anchor, real):
+                return corrupt_at(continuation, anchor + 1, real.shape[1], accept, vocab)
         trace = profiler.reset()
         t0 = profiler.clock()
         output, _ = reference_generate(target, drafter, input_ids, max_new_tokens, propose,
@@ -180,8 +182,9 @@ def table(rows: list[dict]) -> str:
              "glue ms/round | glue share | identical |", "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['setup']} | {r['method']} | {r['runs']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['vs_greedy'] or 0:.2f} | {r['ours_vs_this'] or 0:.2f} | {r['tau']:.2f} | {r['draft_ms']:.2f} | "
-                     f"{r['verify_ms']:.2f} | {r['glue_ms']:.2f} | {100 * r['glue_share']:.1f} % | {r['identical']} |")
+                     f"{r['vs_greedy'] or 0:.2f} | {r['ours_vs_this'] or 0:.2f} | {r['tau']:.2f} | "
+                     f"{r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['glue_ms']:.2f} | "
+                     f"{100 * r['glue_share']:.1f} % | {r['identical']} |")
     return "\n".join(lines) + "\n"
 
 

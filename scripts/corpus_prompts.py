@@ -6,7 +6,8 @@
   corpus in ``dflash_hf/corpora/*/sharegpt`` holds the answers to the first 1,728);
 * ``code.jsonl``: the code requests among the rest of them (ASCII, a programming word or code in the turn), in the
   same order (``corpora/*/code``);
-* ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``).
+* ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``);
+* ``ifbench.jsonl``: all 294 IFBench instruction prompts (for a later corpus; none distilled yet).
 
 Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
 """
@@ -46,6 +47,7 @@ def main(out: Path) -> None:
     gsm8k = read("gsm8k.jsonl")[:1000]
     assert gsm8k[-1]["id"] == "gsm8k/999", "prepare's gsm8k.jsonl is GSM8K test in order"
     write(out / "gsm8k.jsonl", gsm8k)
+    write(out / "ifbench.jsonl", read("ifbench.jsonl"))
 
 
 if __name__ == "__main__":

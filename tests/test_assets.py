@@ -214,6 +214,14 @@ def test_mtbench_has_two_turns():
     assert len(records) == 80 and all(len(r["turns"]) == 2 for r in records)
 
 
+@_needs("ifbench")
+def test_ifbench_reads_all_294_instruction_prompts():
+    records = load_prompts("ifbench")
+    _check_records(records)
+    assert len(records) == 294 and records[0]["id"] == "ifbench/0" and all(len(r["turns"]) == 1 for r in records)
+    assert records[0]["turns"][0].startswith("What should the world's smartest man")
+
+
 @_needs("sharegpt")
 def test_sharegpt_first_human_turns_of_a_truncated_file():
     records = load_prompts("sharegpt")

@@ -60,16 +60,17 @@ for corpus in "$CORPUS"/*/; do
   cp -n "$corpus"/shard-*.safetensors "$DATA/$name/"
 done
 if [ "$DISTILL_SECONDS" -gt 0 ]; then
-  for name in gsm8k sharegpt; do
-    if [ -f "$PROMPTS/$name.jsonl" ] && [ -d "$DATA/$name" ]; then
+  for name in gsm8k sharegpt ifbench; do  # ifbench: a corpus of its own, started here
+    if [ -f "$PROMPTS/$name.jsonl" ]; then
+      mkdir -p "$DATA/$name"
       limit=()  # DISTILL_EXTRA: at most that many prompts after the committed ones (96 per committed shard)
       if [ -n "$DISTILL_EXTRA" ]; then
-        limit=(--limit $(($(ls "$DATA/$name"/shard-*.safetensors | wc -l) * 96 + DISTILL_EXTRA)))
+        limit=(--limit $(($(find "$DATA/$name" -name 'shard-*.safetensors' | wc -l) * 96 + DISTILL_EXTRA)))
       fi
-      log "distilling $name for up to $((DISTILL_SECONDS / 2)) s"
+      log "distilling $name for up to $((DISTILL_SECONDS / 3)) s"
       "$PY" -m dflash_hf distill --target "$TARGET" --prompts "$PROMPTS/$name.jsonl" --out "$DATA/$name" \
         --dtype "$DTYPE" --batch-size "$DISTILL_BATCH" --max-new-tokens "$DISTILL_TOKENS" --shard-size 96 \
-        --no-features --time-budget $((DISTILL_SECONDS / 2)) --device "$DEVICE" --seed 0 --quiet "${limit[@]}"
+        --no-features --time-budget $((DISTILL_SECONDS / 3)) --device "$DEVICE" --seed 0 --quiet "${limit[@]}"
     fi
   done
 fi

@@ -8,12 +8,12 @@ Two setups, each with four methods run in a rotated order per repeat after an un
 * **qwen3**: a random-weight Qwen3 target built from a config (~2 B parameters, ``--qwen3 tiny`` for the CPU
   rehearsal) and a random drafter; every method proposes the target's own greedy continuation cut at slot
   ``--accept`` (the pinned-acceptance oracle of ``tests/oracle.py``; the drafter still runs every round), so tau is
-  ``accept + 1`` for all of them and the timings compare loops, not drafters (ours then drafts full blocks like
-  the others: its adaptive controller would stop drafting for a random drafter).
+  ``accept + 1`` for all of them and the timings compare loops, not drafters.
 
-Methods: ``greedy`` (plain ``generate``), ``dflash`` (ours: ``generate(assistant_model=draft)``), ``builtin``
-(transformers' ``speculation_type="dflash"``) and ``reference`` (z-lab's loop shape, written out in
-``tests/reference.py`` and run on the drafter's own forward, `ModelDrafter`). Timings use `PhaseProfiler`'s hooks,
+Methods: ``greedy`` (plain ``generate``), ``dflash`` (ours: ``generate(assistant_model=draft)``, its adaptive block
+size and prompt lookup; SmolLM2 only), ``dflash_full`` (ours drafting full blocks as the next two do, so that tau and
+the proposals are theirs), ``builtin`` (transformers' ``speculation_type="dflash"``) and ``reference`` (z-lab's loop
+shape, written out in ``tests/reference.py`` and run on the drafter's own forward, `ModelDrafter`). Timings use `PhaseProfiler`'s hooks,
 which synchronise the GPU at every phase boundary: per round, **verify** is the target's forwards after the prefill,
 **draft** the drafter and its head, **glue** the rest (context feeding, acceptance, cache crops, Python). Results go
 to ``OUT/speed.json`` (every run) and ``OUT/speed.md`` (the table), rewritten after each setup so that a run cut
@@ -38,7 +38,8 @@ from reference import ModelDrafter, reference_generate  # noqa: E402
 
 from dflash_hf.bench import Method, PhaseProfiler, run_once  # noqa: E402
 
-METHODS = ("greedy", "dflash", "builtin", "reference")
+METHODS = ("greedy", "dflash", "dflash_full", "builtin", "reference")
+PINNED_METHODS = ("greedy", "dflash_full", "builtin", "reference")  # a random drafter: ours would not draft
 QWEN3 = {  # Qwen3-1.7B's shape, untied head: ~2.0 B parameters
     "full": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936),
@@ -96,16 +97,17 @@ def run_method(name, target, drafter, input_ids, max_new_tokens, profiler, pinne
                                        implementation=ModelDrafter)
         total = profiler.clock() - t0
     else:
-        kwargs = {"greedy": {}, "dflash": {"assistant_model": drafter},
-                  "builtin": {"assistant_model": drafter, "speculation_type": "dflash"}}[name]
-        if pinned is not None and name == "dflash":  # full blocks, as the others draft: the adaptive controller
-            pin(drafter, pinned[0], cuts=lambda _round, n: pinned[1])  # would not draft for a random drafter
-            kwargs |= {"num_assistant_tokens": drafter.config.block_size - 1,
+        full_blocks = {"num_assistant_tokens": drafter.config.block_size - 1,
                        "num_assistant_tokens_schedule": "constant"}
+        kwargs = {"greedy": {}, "dflash": {"assistant_model": drafter},
+                  "dflash_full": {"assistant_model": drafter, **full_blocks},
+                  "builtin": {"assistant_model": drafter, "speculation_type": "dflash"}}[name]
+        if pinned is not None and name.startswith("dflash"):
+            pin(drafter, pinned[0], cuts=lambda _round, n: pinned[1])
         context = pinned_builtin(*pinned, vocab) if pinned is not None and name == "builtin" else _nothing()
         with context:
             record, output = run_once(target, Method(name, kwargs), input_ids, max_new_tokens, profiler)
-        if pinned is not None and name == "dflash":
+        if pinned is not None and name.startswith("dflash"):
             del drafter.make_candidate_generator  # unpinned again
         trace, total = profiler.trace, record["total_s"]
     new = output.shape[1] - input_ids.shape[1]
@@ -173,12 +175,13 @@ def summarize(records: list[dict]) -> list[dict]:
     for row in rows:
         base = {r["method"]: r["tokens_per_s"] for r in rows if r["setup"] == row["setup"]}
         row["vs_greedy"] = row["tokens_per_s"] / base["greedy"] if base.get("greedy") else None
-        row["ours_vs_this"] = base["dflash"] / row["tokens_per_s"] if base.get("dflash") else None
+        ours = base.get("dflash_full")  # ours at the same blocks (and tau) as builtin and reference
+        row["ours_vs_this"] = ours / row["tokens_per_s"] if ours else None
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| setup | method | runs | tok/s | × greedy | ours ÷ this | tau | draft ms/round | verify ms/round | "
+    lines = ["| setup | method | runs | tok/s | × greedy | dflash_full ÷ this | tau | draft ms/round | verify ms/round | "
              "glue ms/round | glue share | identical |", "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['setup']} | {r['method']} | {r['runs']} | {r['tokens_per_s']:.1f} | "
@@ -269,7 +272,7 @@ def main(argv=None):
     if args.qwen3 != "none":
         target, drafter, prompts, params = qwen3_setup(args, device, dtype)
         info["qwen3_params"] = params
-        records += bench_setup(f"qwen3-{args.qwen3}", target, drafter, prompts, METHODS, args.max_new_tokens,
+        records += bench_setup(f"qwen3-{args.qwen3}", target, drafter, prompts, PINNED_METHODS, args.max_new_tokens,
                                args.repeats, start + args.seconds, accept=args.accept)
         write(out, records, info)
 

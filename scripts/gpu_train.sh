@@ -85,8 +85,8 @@ done
 log "training data: $i shards"
 
 # ---- train (FlexAttention first; if that fails, SDPA with the dense block mask and half the batch, for the time left)
-time_left() {  # seconds until the evaluation's share of TOTAL_SECONDS
-  local seconds=$((TOTAL_SECONDS - SECONDS - EVAL_SECONDS - 15))
+time_left() {  # seconds until the evaluation's share of TOTAL_SECONDS (30 s: start, loading, the final save)
+  local seconds=$((TOTAL_SECONDS - SECONDS - EVAL_SECONDS - 30))
   echo $((seconds < 5 ? 5 : seconds))
 }
 train_drafter() {  # train_drafter ATTN SECONDS (--schedule time: the seconds of the whole run, resumes included)

@@ -13,8 +13,8 @@ Two setups, each with four methods run in a rotated order per repeat after an un
 Methods: ``greedy`` (plain ``generate``), ``dflash`` (ours: ``generate(assistant_model=draft)``, its adaptive block
 size and prompt lookup; SmolLM2 only), ``dflash_full`` (ours drafting full blocks as the next two do, so that tau and
 the proposals are theirs), ``builtin`` (transformers' ``speculation_type="dflash"``) and ``reference`` (z-lab's loop
-shape, written out in ``tests/reference.py`` and run on the drafter's own forward, `ModelDrafter`). Timings use `PhaseProfiler`'s hooks,
-which synchronise the GPU at every phase boundary: per round, **verify** is the target's forwards after the prefill,
+shape, written out in ``tests/reference.py`` and run on the drafter's own forward, `ModelDrafter`). Timings use
+`PhaseProfiler`'s hooks, which synchronise the GPU at every phase boundary: per round, **verify** is the target's forwards after the prefill,
 **draft** the drafter and its head, **glue** the rest (context feeding, acceptance, cache crops, Python). Results go
 to ``OUT/speed.json`` (every run) and ``OUT/speed.md`` (the table), rewritten after each setup so that a run cut
 short still leaves what it measured.
@@ -181,8 +181,8 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| setup | method | runs | tok/s | × greedy | dflash_full ÷ this | tau | draft ms/round | verify ms/round | "
-             "glue ms/round | glue share | identical |", "|" + "---|" * 12]
+    lines = ["| setup | method | runs | tok/s | × greedy | dflash_full ÷ this | tau | draft ms/round | "
+             "verify ms/round | glue ms/round | glue share | identical |", "|" + "---|" * 12]
     for r in rows:
         lines.append(f"| {r['setup']} | {r['method']} | {r['runs']} | {r['tokens_per_s']:.1f} | "
                      f"{r['vs_greedy'] or 0:.2f} | {r['ours_vs_this'] or 0:.2f} | {r['tau']:.2f} | "

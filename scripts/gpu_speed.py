@@ -14,8 +14,9 @@ Methods: ``greedy`` (plain ``generate``), ``dflash`` (ours: ``generate(assistant
 size and prompt lookup; SmolLM2 only), ``dflash_full`` (ours drafting full blocks as the next two do, so that tau and
 the proposals are theirs), ``builtin`` (transformers' ``speculation_type="dflash"``) and ``reference`` (z-lab's loop
 shape, written out in ``tests/reference.py`` and run on the drafter's own forward, `ModelDrafter`). Timings use
-`PhaseProfiler`'s hooks, which synchronise the GPU at every phase boundary: per round, **verify** is the target's forwards after the prefill,
-**draft** the drafter and its head, **glue** the rest (context feeding, acceptance, cache crops, Python). Results go
+`PhaseProfiler`'s hooks, which synchronise the GPU at every phase boundary: per round, **verify** is the target's
+forwards after the prefill, **draft** the drafter and its head, **glue** the rest (context feeding, acceptance, cache
+crops, Python). Results go
 to ``OUT/speed.json`` (every run) and ``OUT/speed.md`` (the table), rewritten after each setup so that a run cut
 short still leaves what it measured.
 """

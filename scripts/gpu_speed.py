@@ -150,7 +150,7 @@ def bench_setup(label, target, drafter, prompts, methods, max_new_tokens, repeat
                                   identical=record["output"] == plain["output"])
                     del record["output"]
                     records.append(record)
-                    print(f"{label} p{p} r{r} {name:9s} {record['tokens_per_s']:8.1f} tok/s  tau {record['tau']:.2f}"
+                    print(f"{label} p{p} r{r} {name:11s} {record['tokens_per_s']:8.1f} tok/s  tau {record['tau']:.2f}"
                           f"  identical={record['identical']}", flush=True)
     finally:
         profiler.remove()

@@ -177,10 +177,13 @@ class PhaseProfiler:
     Installed once for a whole benchmark so that every method pays the same (microsecond) hook cost. The
     candidate generator is reached through an instance attribute shadowing ``target._get_candidate_generator``;
     each dflash-hf generator's `DFlashDraftHead` (``generator.draft_head``) gets the draft hooks when it is built.
+    On a GPU every clock reading first waits for the queued kernels (``torch.cuda.synchronize``), so that a phase
+    is charged for its own kernels rather than for the moment they were launched.
     """
 
     def __init__(self, target, drafter=None):
         self.target, self.trace = target, RunTrace()
+        self.sync = target.device.type == "cuda"
         self._in_verify = False
         self._handles = []
         self._hook(target, self._verify_start, self._verify_end)
@@ -199,24 +202,30 @@ class PhaseProfiler:
         self._handles.append(module.register_forward_pre_hook(lambda *_: start()))
         self._handles.append(module.register_forward_hook(lambda *_: end()))
 
+    def clock(self) -> float:
+        """``time.perf_counter()``, after the GPU's queued work has finished (see the class docstring)."""
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def _verify_start(self):
-        self._in_verify, self._verify_t0 = True, time.perf_counter()
+        self._in_verify, self._verify_t0 = True, self.clock()
 
     def _verify_end(self):
-        self.trace.forwards.append(time.perf_counter() - self._verify_t0)
+        self.trace.forwards.append(self.clock() - self._verify_t0)
         self._in_verify = False
 
     def _draft_start(self):
         if not self._in_verify:  # nested draft scopes (the drafter inside the draft head) count once, outermost
             if self._draft_depth == 0:
-                self._draft_t0 = time.perf_counter()
+                self._draft_t0 = self.clock()
             self._draft_depth += 1
 
     def _draft_end(self):
         if not self._in_verify and self._draft_depth > 0:
             self._draft_depth -= 1
             if self._draft_depth == 0:
-                self.trace.draft_s += time.perf_counter() - self._draft_t0
+                self.trace.draft_s += self.clock() - self._draft_t0
 
     def _wrap_generator(self, generator):
         """Time ``get_candidates`` and record each round's proposed and committed lengths."""
@@ -224,9 +233,9 @@ class PhaseProfiler:
         state = {"proposed": 0, "rounds": 0}
 
         def timed_get_candidates(input_ids, *args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             candidates, logits = get_candidates(input_ids, *args, **kwargs)
-            self.trace.candidates_s += time.perf_counter() - t0
+            self.trace.candidates_s += self.clock() - t0
             state["proposed"] = candidates.shape[1] - input_ids.shape[1]
             return candidates, logits
 
@@ -263,7 +272,7 @@ def run_once(target, method: Method, input_ids, max_new_tokens: int, profiler: P
     """One timed ``generate`` call -> (raw record, output ids ``[1, prompt + new]``)."""
     trace, streamer = profiler.reset(), TimingStreamer()
     torch.manual_seed(seed)
-    t0 = time.perf_counter()
+    t0 = profiler.clock()
     with torch.no_grad():
         output = target.generate(
             input_ids,
@@ -273,7 +282,7 @@ def run_once(target, method: Method, input_ids, max_new_tokens: int, profiler: P
             **sampling_options(temperature),
             **method.generate_kwargs,
         )
-    total = time.perf_counter() - t0
+    total = profiler.clock() - t0
     new_tokens = output.shape[1] - input_ids.shape[1]
     ttft = (streamer.first_time or time.perf_counter()) - t0
     decode_s = total - ttft

@@ -161,20 +161,41 @@ class ReferenceDrafter:
         return rows if scale is None else rows * scale
 
 
+class ModelDrafter:
+    """`ReferenceDrafter`'s interface over the drafter's own forward, called as z-lab's loop calls it
+    (``noise_embedding``, ``target_hidden``, ``position_ids`` over the new context and the block, a ``DynamicCache``
+    that keeps context keys only): the reference loop at the model's speed, for timing it (scripts/gpu_speed.py)."""
+
+    def __init__(self, drafter, raw: dict | None = None):
+        if raw is not None:
+            raise ValueError("ModelDrafter runs the model as it is configured: pass raw=None")
+        self.d, self.cache = drafter, DynamicCache()
+
+    @torch.no_grad()
+    def __call__(self, noise, features, context_positions, block_positions):
+        positions = torch.cat([context_positions, block_positions]).to(noise.device)[None]
+        return self.d(noise_embedding=noise, target_hidden=features, position_ids=positions,
+                      past_key_values=self.cache).last_hidden_state
+
+    def propose(self, head_weight, rows, anchor: int) -> torch.LongTensor:
+        return (rows @ head_weight.T).argmax(-1)
+
+
 @torch.no_grad()
-def reference_generate(target, drafter, input_ids, max_new_tokens, propose=None, raw=None):
+def reference_generate(target, drafter, input_ids, max_new_tokens, propose=None, raw=None, implementation=None):
     """The reference loop. Returns (tokens ``[1, n + m]``, per-round drafter proposals).
 
     ``propose(round, anchor_position, real_proposals)`` may pin what is proposed to the target (default: the
     drafter's own proposals), mirroring ``tests.oracle``. ``raw``: the checkpoint's ``config.json`` dict, whose DFlash
-    values are then read here (see `ReferenceDrafter`).
+    values are then read here (see `ReferenceDrafter`). ``implementation``: the drafter's implementation,
+    `ReferenceDrafter` (default: written out by hand) or `ModelDrafter` (the model's forward).
     """
     config = drafter.config
     block, mask_id, layer_ids = config.block_size, config.mask_token_id, config.target_layer_ids
     if raw is not None:
         block, mask_id = draft_value(raw, "block_size", 16), draft_value(raw, "mask_token_id")
         layer_ids = draft_value(raw, "target_layer_ids")
-    reference = ReferenceDrafter(drafter, raw)
+    reference = (implementation or ReferenceDrafter)(drafter, raw)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     n = input_ids.shape[1]
     max_length = n + max_new_tokens
@@ -189,7 +210,7 @@ def reference_generate(target, drafter, input_ids, max_new_tokens, propose=None,
         num_drafts = min(block - 1, max_length - tokens.shape[1] - 1)
         drafts = tokens[:, :0]
         if num_drafts > 0:
-            block_ids = torch.tensor([[tokens[0, -1].item()] + [mask_id] * (block - 1)])
+            block_ids = torch.tensor([[tokens[0, -1].item()] + [mask_id] * (block - 1)], device=tokens.device)
             noise = embed(block_ids) if raw is None else reference.embed(embed.weight, block_ids)
             hidden = reference(noise, pending, torch.arange(fed, anchor), torch.arange(anchor, anchor + block))
             fed, pending = anchor, pending[:, :0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import MASK_ID, VOCAB, char_tokenizer, random_prompt, tiny_drafter, tiny_target
 from oracle import pin
-from reference import reference_generate
+from reference import ModelDrafter, reference_generate
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_hf import generation_dflash
@@ -20,6 +20,19 @@ def varied_cuts(round_index, num_drafts):
     if round_index < 2:
         return (num_drafts, 0)[round_index]
     return (round_index * 7 + 3) % (num_drafts + 1)
+
+
+def varied_proposals(plain):
+    """The reference loop's ``propose``: ``plain``'s continuation cut as `varied_cuts` says (as `oracle.pin` does)."""
+
+    def propose(round_index, anchor, real):
+        pinned = plain[:, anchor + 1 : anchor + 1 + real.shape[1]].clone()
+        cut = varied_cuts(round_index, pinned.shape[1])
+        if cut < pinned.shape[1]:
+            pinned[:, cut] = (pinned[:, cut] + 1) % VOCAB
+        return pinned
+
+    return propose
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -45,14 +58,7 @@ def test_proposals_match_reference_round_under_pinned_acceptance(target, attn, b
     generators = pin(drafter, plain, varied_cuts)
     out = greedy(target, ids, 40, assistant_model=drafter)
 
-    def propose(round_index, anchor, real):
-        pinned = plain[:, anchor + 1 : anchor + 1 + real.shape[1]].clone()
-        cut = varied_cuts(round_index, pinned.shape[1])
-        if cut < pinned.shape[1]:
-            pinned[:, cut] = (pinned[:, cut] + 1) % VOCAB
-        return pinned
-
-    reference, reference_rounds = reference_generate(target, drafter, ids, 40, propose)
+    reference, reference_rounds = reference_generate(target, drafter, ids, 40, varied_proposals(plain))
     ours = generators[0].real_proposals
     assert torch.equal(out, plain) and torch.equal(reference, plain)
     assert len(ours) == len(reference_rounds) > 3
@@ -60,6 +66,21 @@ def test_proposals_match_reference_round_under_pinned_acceptance(target, attn, b
         assert torch.equal(mine, theirs), f"round {round_index}: {mine} vs reference {theirs}"
     accepted = [a - 1 for a in drafter.last_stats.acceptance_lengths]
     assert min(accepted) == 0 and max(accepted) == block_size - 1  # both extremes were exercised
+
+
+def test_reference_loop_on_the_model_forward_matches_the_hand_written_one(target):
+    """scripts/gpu_speed.py times the reference loop with `ModelDrafter` (the model's own z-lab-style forward and
+    cache): its rounds must be the hand-written drafter's, token for token, with pinned varied acceptance."""
+    drafter = tiny_drafter(target, block_size=4)
+    ids = random_prompt(5)
+    plain = greedy(target, ids, 30)
+
+    by_hand, hand_rounds = reference_generate(target, drafter, ids, 30, varied_proposals(plain))
+    by_model, model_rounds = reference_generate(target, drafter, ids, 30, varied_proposals(plain),
+                                                implementation=ModelDrafter)
+    assert torch.equal(by_model, plain) and torch.equal(by_hand, plain)
+    assert len(model_rounds) == len(hand_rounds) > 3
+    assert all(torch.equal(a, b) for a, b in zip(model_rounds, hand_rounds))
 
 
 def test_unpinned_proposals_match_reference(target):

@@ -1,6 +1,7 @@
 """Training: block pictures and the two PR #473 pitfalls, labels, over-fit gate, distill/train resume, DDP, eval."""
 
 import dataclasses
+import math
 import json
 import os
 import socket
@@ -23,7 +24,14 @@ from dflash_hf.training.blocks import (
 )
 from dflash_hf.cli import build_parser
 from dflash_hf.training.data import ShardDataset, collate
-from dflash_hf.training.trainer import block_loss, resolve_attention, warm_start_from_target
+from dflash_hf.training.trainer import (
+    RunClock,
+    block_loss,
+    budget_cosine_lambda,
+    cosine_lambda,
+    resolve_attention,
+    warm_start_from_target,
+)
 from conftest import mask_token_id, save_chat_target, write_prompts
 REPO = Path(__file__).resolve().parents[1]
 MASK = 259  # "<mask>" in the tiny tokenizer
@@ -537,3 +545,22 @@ def test_distill_with_a_drafter_writes_the_plain_paths_tokens(work, tmp_path):
         assert torch.equal(plain[i]["loss_mask"], drafted[i]["loss_mask"])
     manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
     assert manifest["draft"] == str(tmp_path / "drafter")
+
+
+def test_time_schedule_follows_whichever_of_steps_and_time_runs_out_first():
+    """``--schedule time``: the step schedule's warm-up and cosine over max(step / steps, elapsed / budget)."""
+    clock = RunClock()  # microseconds elapse while this runs: nothing next to a budget of 100 s
+    by_time = budget_cosine_lambda(1000, 100.0, clock, warmup_ratio=0.04, min_ratio=0.1)
+    by_steps = cosine_lambda(1000, 40, 0.1)
+    assert [by_time(s) for s in (100, 500, 999)] == pytest.approx([by_steps(s) for s in (100, 500, 999)])
+    clock.offset = 50.0  # half the time gone at step 10: the time decides, the cosine is half way
+    assert by_time(10) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (0.5 - 0.04) / 0.96)), rel=1e-3)
+    clock.offset = 150.0  # past the budget: the floor
+    assert by_time(10) == pytest.approx(0.1, rel=1e-3)
+    clock.offset = 2.0  # in the warm-up by time
+    assert by_time(1) == pytest.approx(0.02 / 0.04, rel=1e-3)
+
+
+def test_time_schedule_needs_a_time_budget(work, tmp_path):
+    with pytest.raises(ValueError, match="--schedule time.*--time-budget"):
+        main(train_argv(work, tmp_path / "run", "--max-steps", "2", "--schedule", "time"))

@@ -130,6 +130,9 @@ def _add_train_options(p):
     g.add_argument("--grad-accum", type=COUNT, default=1, help="micro-batches per optimizer step")
     g.add_argument("--epochs", type=COUNT, default=6, help="passes over the data (ignored with --max-steps)")
     g.add_argument("--max-steps", type=COUNT, default=None, help="optimizer steps; sets the schedule length")
+    g.add_argument("--schedule", default="steps", choices=["steps", "time"],
+                   help="steps: warm-up and cosine over the steps (--max-steps / --epochs); time: over --time-budget "
+                   "seconds too, whichever runs out first (a run of fixed wall-clock length on unknown hardware)")
     g.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter and lm_head")
     g.add_argument("--target-dtype", default="float32", choices=list(DTYPES),
                    help="dtype the frozen target is loaded in")
@@ -145,6 +148,11 @@ def _add_train_options(p):
     g.add_argument("--final-dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of OUT/final (published drafters are bf16)")
     g.add_argument("--final-max-shard-size", default=None, help="e.g. 15MB: split OUT/final into shards")
+    g.add_argument("--export-dir", default=None,
+                   help="every --export-every seconds and at the end, also write the drafter (as OUT/final, without "
+                   "its code files) to EXPORT/drafter and the log to EXPORT/log.jsonl: a killed run leaves its last "
+                   "drafter there")
+    g.add_argument("--export-every", type=NON_NEGATIVE, default=60.0, help="seconds between exports")
 
 
 def add_train_parser(subparsers):

@@ -95,6 +95,7 @@ class TrainOptions:
     grad_accum: int = 1
     epochs: int = 6
     max_steps: int | None = None
+    schedule: str = "steps"  # steps: warm-up + cosine over the steps; time: over time_budget too, whichever ends first
     bf16: bool = False
     target_dtype: str = "float32"
     # run control
@@ -105,6 +106,8 @@ class TrainOptions:
     keep_checkpoints: int = 3
     final_dtype: str = "bfloat16"
     final_max_shard_size: str | None = None
+    export_dir: str | None = None  # also write the drafter (final_dtype, no code files) and log here, periodically
+    export_every: float = 60.0  # seconds between exports to export_dir
 
 
 @dataclass(kw_only=True)

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
 from contextlib import nullcontext
 import dataclasses
@@ -202,6 +203,32 @@ def cosine_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
     return factor
 
 
+class RunClock:
+    """Seconds of training: since `restart`, plus ``offset`` (what a resumed ``--schedule time`` run had used)."""
+
+    def __init__(self, offset: float = 0.0):
+        self.offset, self.started = offset, time.monotonic()
+
+    def restart(self) -> None:
+        self.started = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.offset + time.monotonic() - self.started
+
+
+def budget_cosine_lambda(total_steps: int, budget_s: float, clock: RunClock, warmup_ratio: float, min_ratio: float):
+    """`cosine_lambda` over the progress ``max(step / total_steps, clock() / budget_s)``: the warm-up is the first
+    ``warmup_ratio`` of it, the cosine the rest, so the schedule ends with whichever of steps and time runs out
+    first (``--schedule time``: a run of fixed wall-clock length on hardware of unknown speed)."""
+    def factor(step: int) -> float:
+        progress = min(1.0, max(step / max(1, total_steps), clock() / budget_s))
+        if progress < warmup_ratio:
+            return max(progress, 1 / max(1, total_steps)) / warmup_ratio
+        rest = (progress - warmup_ratio) / max(1e-9, 1 - warmup_ratio)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * rest))
+    return factor
+
+
 # -------------------------------------------------------------------------------------------------- checkpoints
 def _unwrap(model):
     return model.module if hasattr(model, "module") else model
@@ -357,6 +384,7 @@ class TrainingRun:
     steps_per_epoch: int
     total_steps: int
     autocast: object
+    clock: RunClock  # training seconds: the time budget and ``--schedule time`` read it
     resumed_from: Path | None = None
     step: int = 0
     orders: dict[int, list[int]] = field(default_factory=dict)  # this epoch's sample order (one epoch kept)
@@ -396,7 +424,9 @@ def train(config: TrainConfig) -> dict:
     """
     run = setup_training(config)
     start = time.monotonic()
+    run.clock.restart()
     window, total_blocks, stopped_by_budget, last_saved = MetricsWindow(config.block_size), 0, False, run.step
+    last_export = time.monotonic()
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step",
                disable=run.rank != 0 or config.quiet)
     while run.step < run.total_steps:
@@ -409,11 +439,14 @@ def train(config: TrainConfig) -> dict:
             row = evaluate_window(run, window, epoch, start)
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
             window = MetricsWindow(config.block_size)
-        out_of_time = bool(config.time_budget) and time.monotonic() - start > config.time_budget
+        out_of_time = bool(config.time_budget) and run.clock() > config.time_budget
         out_of_time = _any(out_of_time, run.world, run.device)
         out_of_time = out_of_time or bool(config.stop_after and run.step >= config.stop_after)
         if run.step < run.total_steps and (out_of_time or (config.save_every and run.step % config.save_every == 0)):
             last_saved = checkpoint(run)
+        if config.export_dir and run.rank == 0 and time.monotonic() - last_export >= config.export_every:
+            export(run)
+            last_export = time.monotonic()
         if out_of_time:
             stopped_by_budget = True
             if run.rank == 0:
@@ -470,14 +503,22 @@ def setup_training(config: TrainConfig) -> TrainingRun:
     steps_per_epoch = max(1, math.ceil(per_rank / config.batch_size) // config.grad_accum)
     total_steps = config.max_steps or config.epochs * steps_per_epoch
     warmup = config.warmup_steps if config.warmup_steps is not None else int(config.warmup_ratio * total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(total_steps, warmup, config.min_lr_ratio))
+    clock = RunClock()
+    if config.schedule == "time":
+        if not config.time_budget:
+            raise ValueError("--schedule time runs the schedule over --time-budget seconds: pass --time-budget")
+        ratio = warmup / total_steps if config.warmup_steps is not None else config.warmup_ratio
+        factor = budget_cosine_lambda(total_steps, config.time_budget, clock, ratio, config.min_lr_ratio)
+    else:
+        factor = cosine_lambda(total_steps, warmup, config.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if config.bf16 else nullcontext
     run = TrainingRun(
         config=config, rank=rank, world=world, device=device, out_dir=out_dir, target=target,
         embed_tokens=embed_tokens, lm_head=lm_head, dataset=dataset, pad_id=pad_id, gamma=gamma,
         layer_ids=list(draft.config.target_layer_ids), draft=draft, model=model, optimizer=optimizer,
         scheduler=scheduler, generator=generator, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-        autocast=autocast, resumed_from=resume_dir,
+        autocast=autocast, clock=clock, resumed_from=resume_dir,
     )
     if resume_dir is not None:
         restore_checkpoint(run, resume_dir)
@@ -524,6 +565,8 @@ def restore_checkpoint(run: TrainingRun, resume_dir: Path) -> None:
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     run.step = state["step"]
+    if run.config.schedule == "time":  # the schedule continues where the time ran out, not from its start
+        run.clock.offset = state.get("elapsed_s", 0.0)
     rng_path = resume_dir / f"rng-rank{run.rank}.pt"
     if rng_path.exists() and state.get("world_size", 1) == run.world:
         rng = torch.load(rng_path, weights_only=True)
@@ -612,7 +655,8 @@ def evaluate_window(run: TrainingRun, window: MetricsWindow, epoch: int, start: 
 
 def checkpoint(run: TrainingRun) -> int:
     """Save ``checkpoints/step-XXXXXXX`` (see `save_checkpoint`); returns the step saved."""
-    save_checkpoint(run.out_dir, f"step-{run.step:07d}", run.model, run.optimizer, run.scheduler, {"step": run.step},
+    save_checkpoint(run.out_dir, f"step-{run.step:07d}", run.model, run.optimizer, run.scheduler,
+                    {"step": run.step, "elapsed_s": run.clock()},
                     run.config, run.generator, run.rank, run.world, keep=run.config.keep_checkpoints)
     return run.step
 
@@ -632,19 +676,40 @@ def finish_training(run: TrainingRun, start: float, stopped_by_budget: bool, blo
                "final": str(final_dir)}
     if run.rank == 0:
         (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if run.config.export_dir:
+            export(run, extra=(run.out_dir / "curves.png", run.out_dir / "summary.json"))
     if run.world > 1:
         torch.distributed.destroy_process_group()
     return summary
 
 
-def save_final(draft: DFlashDraftModel, path: Path, dtype: str = "bfloat16", max_shard_size: str | None = None):
-    """The drafter alone, in the z-lab layout, in ``dtype``; atomically (tmp dir + rename)."""
+def save_final(draft: DFlashDraftModel, path: Path, dtype: str = "bfloat16", max_shard_size: str | None = None,
+               code: bool = True):
+    """The drafter alone, in the z-lab layout, in ``dtype``; atomically (tmp dir + rename). ``code=False`` leaves
+    out the remote-code files (an export that must stay within a few files; the package has them)."""
     path = Path(path)
     model = copy.deepcopy(_unwrap(draft)).to(DTYPES[dtype])  # a copy: casting back would round the live weights
     options = {"max_shard_size": max_shard_size} if max_shard_size else {}
     with atomic_path(path, directory=True) as tmp:
         model.save_pretrained(tmp, **options)
+        if not code:
+            for script in Path(tmp).glob("*.py"):
+                script.unlink()
     return path
+
+
+def export(run: TrainingRun, extra: tuple[Path, ...] = ()) -> Path:
+    """``--export-dir``: the drafter as it is now (``final_dtype``, ``final_max_shard_size``, no code files) to
+    ``EXPORT/drafter``, and ``log.jsonl`` and ``extra`` files beside it, each replaced atomically."""
+    root = Path(run.config.export_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    save_final(run.draft, root / "drafter", dtype=run.config.final_dtype,
+               max_shard_size=run.config.final_max_shard_size, code=False)
+    for source in (run.log_path, *extra):
+        if source.is_file():
+            with atomic_path(root / source.name) as tmp:
+                shutil.copyfile(source, tmp)
+    return root
 
 
 __all__ = [
@@ -655,6 +720,7 @@ __all__ = [
     "build_draft",
     "checkpoint",
     "evaluate_window",
+    "export",
     "finish_training",
     "save_checkpoint",
     "save_final",

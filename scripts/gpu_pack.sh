@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Prepares what the GPU calls carry (docs/gpu.md), here, with PyPI reachable: the wheels the machine lacks
+# (transformers and gguf as in .venv, regex for transformers' version check), the prompt files (training prompts of
+# the committed corpora, held-out GSM8K 1000+ / HumanEval / MT-Bench), and the target's GGUF split into parts, into
+# .gpu/1, .gpu/2, ... (ignored by git), each small enough to travel beside the working tree in one call.
+#
+#   bash scripts/gpu_pack.sh            # in the checkout the GPU calls are made from: its tree is what travels
+#
+# Needs `bash scripts/setup.sh` and `dflash-hf prepare` (the datasets in ~/.cache/dflash-hf/datasets) first.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-.venv/bin/python}
+CACHE=.gpu-cache
+rm -rf "$CACHE/wheels" "$CACHE/prompts"
+mkdir -p "$CACHE/wheels" "$CACHE/prompts"
+pinned() { "$PY" -c "from importlib.metadata import version; print('$1==' + version('$1'))"; }
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$CACHE/wheels" "$(pinned transformers)" "$(pinned gguf)" "$(pinned regex)"
+"$PY" scripts/corpus_prompts.py "$CACHE/prompts"
+rm "$CACHE/prompts/code.jsonl"  # its prompts are later entries of sharegpt.jsonl, which the GPU run continues
+"$PY" - "$CACHE/prompts" <<'PYEOF'
+import json, sys
+from pathlib import Path
+from dflash_hf.assets import load_prompts
+out = Path(sys.argv[1])
+for name, rows in (("gsm8k", load_prompts("gsm8k")[1000:]), ("humaneval", load_prompts("humaneval")),
+                   ("mtbench", load_prompts("mtbench"))):
+    (out / f"eval-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"eval-{name}.jsonl: {len(rows)} held-out prompts")
+PYEOF
+GGUF=$("$PY" -c "from dflash_hf.assets import TARGET_GGUF, wheel_file; print(wheel_file(TARGET_GGUF))")
+"$PY" scripts/gpu_parts.py pack --payload "$GGUF" --extra wheels="$CACHE/wheels" --extra prompts="$CACHE/prompts" \
+  --out .gpu --repo .
+du -sh .gpu/*

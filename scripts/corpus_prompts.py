@@ -7,7 +7,7 @@
 * ``code.jsonl``: the code requests among the rest of them (ASCII, a programming word or code in the turn), in the
   same order (``corpora/*/code``);
 * ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``);
-* ``ifbench.jsonl``: all 294 IFBench instruction prompts (for a later corpus; none distilled yet).
+* ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to the first 96).
 
 Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
 """

@@ -672,13 +672,6 @@ def draft_sampling_mode(drafter, generation_config) -> str:
     return mode
 
 
-def prompt_lookup(tokens: torch.LongTensor, max_ngram: int, num_tokens: int) -> torch.LongTensor | None:
-    """Prompt lookup: the ``num_tokens`` tokens that followed the latest earlier occurrence of the last ``n`` tokens
-    of ``tokens [n_ctx]`` (longest ``n <= max_ngram`` first), or None (see `prompt_lookup_match`)."""
-    match = prompt_lookup_match(tokens, max_ngram, num_tokens)
-    return None if match is None else match[0]
-
-
 def prompt_lookup_match(tokens: torch.LongTensor, max_ngram: int, num_tokens: int) -> tuple[torch.LongTensor, int] | None:
     """Prompt lookup with the length of its match: ``(continuation [num_tokens], n)`` for the latest earlier
     occurrence of the last ``n`` tokens of ``tokens [n_ctx]``, longest ``n <= max_ngram`` first, or None.

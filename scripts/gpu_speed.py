@@ -34,7 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the pinned-acceptance oracle and the reference loop are the tests' own
 
-from oracle import pin  # noqa: E402
+from oracle import corrupted, pin  # noqa: E402
 from reference import ModelDrafter, reference_generate  # noqa: E402
 
 from dflash_hf.bench import Method, PhaseProfiler, run_once  # noqa: E402
@@ -50,17 +50,9 @@ QWEN3 = {  # Qwen3-1.7B's shape, untied head: ~2.0 B parameters
 
 
 # ---------------------------------------------------------------------------------------------------- pinning
-def corrupt_at(continuation: torch.LongTensor, start: int, num: int, accept: int, vocab: int) -> torch.LongTensor:
-    """``continuation[:, start : start + num]`` with slot ``accept`` changed: the target accepts ``accept`` drafts."""
-    pinned = continuation[:, start : start + num].clone()
-    if accept < pinned.shape[1]:
-        pinned[:, accept] = (pinned[:, accept] + 1) % vocab
-    return pinned
-
-
 @contextmanager
 def pinned_builtin(continuation, accept: int, vocab: int):
-    """transformers' built-in DFlash generator, its proposals replaced as `corrupt_at` says (its drafter still
+    """transformers' built-in DFlash generator, its proposals replaced as `oracle.corrupted` says (its drafter still
     runs); the class method is patched for the duration, since the profiler already shadows the instance's."""
     from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
@@ -70,7 +62,7 @@ def pinned_builtin(continuation, accept: int, vocab: int):
         candidates, logits = original(self, input_ids, *args, **kwargs)
         num = candidates.shape[1] - input_ids.shape[1]
         if num > 0:
-            drafts = corrupt_at(continuation, input_ids.shape[1], num, accept, vocab).to(candidates.device)
+            drafts = corrupted(continuation, input_ids.shape[1], num, accept, vocab).to(candidates.device)
             candidates = torch.cat([input_ids, drafts], dim=1)
         return candidates, logits
 
@@ -91,7 +83,7 @@ def run_method(name, target, drafter, input_ids, max_new_tokens, profiler, pinne
             continuation, accept = pinned
 
             def propose(_round, anchor, real):
-                return corrupt_at(continuation, anchor + 1, real.shape[1], accept, vocab)
+                return corrupted(continuation, anchor + 1, real.shape[1], accept, vocab)
         trace = profiler.reset()
         t0 = profiler.clock()
         output, _ = reference_generate(target, drafter, input_ids, max_new_tokens, propose,

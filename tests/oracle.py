@@ -12,6 +12,15 @@ import torch
 from dflash_hf import DFlashCandidateGenerator
 
 
+def corrupted(continuation: torch.LongTensor, start: int, num: int, cut: int, vocab_size: int) -> torch.LongTensor:
+    """``continuation[..., start : start + num]`` with slot ``cut`` changed (none when ``cut`` is past the end): a
+    round that proposes it accepts exactly ``cut`` drafts (all of them when none is changed)."""
+    pinned = continuation[..., start : start + num].clone()
+    if cut < pinned.shape[-1]:
+        pinned[..., cut] = (pinned[..., cut] + 1) % vocab_size
+    return pinned
+
+
 class PinnedGenerator(DFlashCandidateGenerator):
     def __init__(self, *args, continuation, cuts, vocab_size, **kwargs):
         super().__init__(*args, **kwargs)
@@ -22,11 +31,9 @@ class PinnedGenerator(DFlashCandidateGenerator):
         real, _ = super().draft_block(input_ids, round)
         self.real_proposals.append(real)
         start = input_ids.shape[1]
-        pinned = self.continuation[:, start : start + round.num_drafts].clone()
-        cut = self.cuts(len(self.real_proposals) - 1, pinned.shape[1])
-        if cut < pinned.shape[1]:
-            pinned[:, cut] = (pinned[:, cut] + 1) % self.vocab_size
-        return pinned, None  # pinned drafts are no samples of the drafter's q: the loop compares samples
+        num = self.continuation[:, start : start + round.num_drafts].shape[1]
+        cut = self.cuts(len(self.real_proposals) - 1, num)
+        return corrupted(self.continuation, start, num, cut, self.vocab_size), None  # pinned drafts are no samples of the drafter's q: the loop compares samples
 
 
 def pin(drafter, continuation, cuts=lambda round_index, n: n):

@@ -13,7 +13,6 @@ from dflash_hf.generation_dflash import (
     DFlashStats,
     RoundController,
     extract_context_feature,
-    prompt_lookup,
     prompt_lookup_match,
 )
 
@@ -279,13 +278,17 @@ def test_block_size_and_adaptivity_are_generate_arguments():
 
 
 def test_prompt_lookup_continues_the_latest_longest_match():
+    def found(tokens, max_ngram, num_tokens):  # (continuation as a list, matched n-gram length) or None
+        match = prompt_lookup_match(tokens, max_ngram, num_tokens)
+        return None if match is None else (match[0].tolist(), match[1])
+
     tokens = torch.tensor([5, 6, 7, 8, 9, 6, 7, 1, 2, 9, 6, 7])
-    assert prompt_lookup(tokens, 3, 4).tolist() == [1, 2, 9, 6]  # "9 6 7" last seen at 4..6
-    assert prompt_lookup(tokens, 2, 1).tolist() == [1]  # "6 7": the latest occurrence wins
-    assert prompt_lookup(torch.tensor([1, 2, 3]), 3, 4) is None  # no earlier occurrence of any suffix
-    assert prompt_lookup(tokens, 3, 0) is None
-    assert prompt_lookup(tokens, 3, 7).tolist() == [1, 2, 9, 6, 7, 1, 2]  # past the end: the loop goes on
-    assert prompt_lookup(torch.tensor([4, 4]), 3, 5).tolist() == [4] * 5
+    assert found(tokens, 3, 4) == ([1, 2, 9, 6], 3)  # "9 6 7" last seen at 4..6
+    assert found(tokens, 2, 1) == ([1], 2)  # "6 7": the latest occurrence wins
+    assert found(torch.tensor([1, 2, 3]), 3, 4) is None  # no earlier occurrence of any suffix
+    assert found(tokens, 3, 0) is None
+    assert found(tokens, 3, 7) == ([1, 2, 9, 6, 7, 1, 2], 3)  # past the end: the loop goes on
+    assert found(torch.tensor([4, 4]), 3, 5) == ([4] * 5, 1)
 
 
 def test_lookup_rounds_are_lossless_and_commit_repeated_text(target):

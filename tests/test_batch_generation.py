@@ -4,6 +4,7 @@ output generated alone, whatever the other rows accept, stop on or how long thei
 import pytest
 import torch
 from conftest import VOCAB, char_tokenizer, random_prompt, tiny_drafter, tiny_target
+from oracle import corrupted
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_hf import batch_generation_dflash
@@ -151,12 +152,9 @@ def pin_batch(monkeypatch, continuations, cuts):
         generated = (self.lengths - self.prompt_len).tolist()
         rows = []
         for i, start in enumerate(generated):
-            row = continuations[i][start : start + drafts.shape[1]].clone()
+            row = continuations[i][start : start + drafts.shape[1]]
             row = torch.cat([row, row.new_full((drafts.shape[1] - row.shape[0],), PAD)])
-            cut = cuts(i, len(rounds) - 1, num_drafts)
-            if cut < row.shape[0]:
-                row[cut] = (row[cut] + 1) % VOCAB
-            rows.append(row)
+            rows.append(corrupted(row, 0, row.shape[0], cuts(i, len(rounds) - 1, num_drafts), VOCAB))
         return torch.stack(rows), None  # pinned drafts are no samples of the drafter's q: verify them by equality
 
     monkeypatch.setattr(BatchedDFlashLoop, "_draft", pinned)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import MASK_ID, VOCAB, char_tokenizer, random_prompt, tiny_drafter, tiny_target
-from oracle import pin
+from oracle import corrupted, pin
 from reference import ModelDrafter, reference_generate
 from transformers.generation.streamers import BaseStreamer
 
@@ -26,11 +26,8 @@ def varied_proposals(plain):
     """The reference loop's ``propose``: ``plain``'s continuation cut as `varied_cuts` says (as `oracle.pin` does)."""
 
     def propose(round_index, anchor, real):
-        pinned = plain[:, anchor + 1 : anchor + 1 + real.shape[1]].clone()
-        cut = varied_cuts(round_index, pinned.shape[1])
-        if cut < pinned.shape[1]:
-            pinned[:, cut] = (pinned[:, cut] + 1) % VOCAB
-        return pinned
+        num = plain[:, anchor + 1 : anchor + 1 + real.shape[1]].shape[1]
+        return corrupted(plain, anchor + 1, num, varied_cuts(round_index, num), VOCAB)
 
     return propose
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import random_prompt, tiny_target
-from oracle import pin
+from oracle import corrupted, pin
 from published import base_config, dflash2_config, gemma_style_config, random_weights, write_checkpoint
 from reference import ReferenceDrafter, reference_generate
 from safetensors.torch import load_file
@@ -53,11 +53,8 @@ def check_rounds_match_reference(target, drafter, raw, tokens=30):
     assert torch.equal(greedy(target, ids, tokens, assistant_model=drafter), plain)
 
     def propose(round_index, anchor, real):
-        pinned = plain[:, anchor + 1 : anchor + 1 + real.shape[1]].clone()
-        cut = varied_cuts(round_index, pinned.shape[1])
-        if cut < pinned.shape[1]:
-            pinned[:, cut] = (pinned[:, cut] + 1) % target.config.vocab_size
-        return pinned
+        num = plain[:, anchor + 1 : anchor + 1 + real.shape[1]].shape[1]
+        return corrupted(plain, anchor + 1, num, varied_cuts(round_index, num), target.config.vocab_size)
 
     reference, reference_rounds = reference_generate(target, drafter, ids, tokens, propose, raw=raw)
     ours = generators[0].real_proposals

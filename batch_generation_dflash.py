@@ -58,10 +58,9 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from .controller_dflash import DFlashStats, DraftLengthController
 from .generation_dflash import (
     DFlashDraftHead,
-    DFlashStats,
-    DraftLengthController,
     calibrate_head,
     draft_sampling_mode,
     draft_settings,

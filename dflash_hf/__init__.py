@@ -10,13 +10,11 @@ Importing the package installs the ``generate`` dispatch, so a drafter built by 
 import logging
 
 from .configuration_dflash import DFlashConfig, build_target_layer_ids
+from .controller_dflash import DFlashStats, DraftLengthController, RoundController
 from .generation_dflash import (
     DFlashCandidateGenerator,
     DFlashDraftHead,
-    RoundController,
     as_dflash_drafter,
-    DFlashStats,
-    DraftLengthController,
     check_drafter_fits_target,
     extract_context_feature,
     install_dflash_dispatch,
@@ -24,7 +22,7 @@ from .generation_dflash import (
 from .modeling_dflash import DFlashDraftModel
 from .modeling_dflash2 import DFlash2DraftModel
 
-# `save_pretrained` then writes `auto_map` and copies the three remote-code files into every checkpoint.
+# `save_pretrained` then writes `auto_map` and copies the remote-code files into every checkpoint.
 DFlashConfig.register_for_auto_class()
 DFlashDraftModel.register_for_auto_class("AutoModel")
 DFlash2DraftModel.register_for_auto_class("AutoModel")

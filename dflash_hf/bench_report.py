@@ -10,7 +10,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .generation_dflash import DFlashStats
+from .controller_dflash import DFlashStats
 
 PHASES = ("draft", "context", "verify", "glue")
 

@@ -32,6 +32,7 @@ REMOTE_CODE_FILES = (
     "configuration_dflash.py",
     "modeling_dflash.py",
     "modeling_dflash2.py",
+    "controller_dflash.py",
     "generation_dflash.py",
     "batch_generation_dflash.py",
 )

@@ -8,13 +8,8 @@ from conftest import random_prompt, tiny_drafter
 from oracle import pin
 
 from dflash_hf import DraftLengthController
-from dflash_hf.generation_dflash import (
-    DFlashCandidateGenerator,
-    DFlashStats,
-    RoundController,
-    extract_context_feature,
-    prompt_lookup_match,
-)
+from dflash_hf.controller_dflash import DFlashStats, RoundController, prompt_lookup_match
+from dflash_hf.generation_dflash import DFlashCandidateGenerator, extract_context_feature
 
 
 def simulate(costs, acceptance, rounds=300, seed=0, **controller_options):

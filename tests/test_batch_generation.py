@@ -381,7 +381,7 @@ def test_finished_rows_leave_the_batch_and_every_row_still_equals_its_prompt_alo
 
 def test_batch_controller_climbs_one_size_at_a_time_and_averages_per_round():
     from dflash_hf.batch_generation_dflash import BatchDraftLengthController
-    from dflash_hf.generation_dflash import DraftLengthController
+    from dflash_hf.controller_dflash import DraftLengthController
 
     controller = BatchDraftLengthController(15, batch_size=4)
     assert controller.candidates == [0, 1, 3, 7, 15]

@@ -228,7 +228,7 @@ def test_push_dry_run_and_upload_calls(saved_drafter, monkeypatch):
     files = push_to_hub(saved_drafter, "me/draft", dry_run=True)
     names = [name for name, _ in files]
     assert names == ["README.md", "batch_generation_dflash.py", "config.json", "configuration_dflash.py",
-                     "generation_dflash.py", "model.safetensors", "modeling_dflash.py", "modeling_dflash2.py"]
+                     "controller_dflash.py", "generation_dflash.py", "model.safetensors", "modeling_dflash.py", "modeling_dflash2.py"]
     assert dict(files)["model.safetensors"] == (saved_drafter / "model.safetensors").stat().st_size
     assert RecordingApi.calls == []
 

@@ -159,7 +159,8 @@ def test_save_load_round_trip_writes_zlab_config(tmp_path):
     drafter = tiny_drafter(target)
     drafter.save_pretrained(tmp_path)
     files = set(os.listdir(tmp_path))
-    assert {"config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py", "generation_dflash.py"} <= files
+    assert {"config.json", "model.safetensors", "configuration_dflash.py", "modeling_dflash.py", "controller_dflash.py",
+            "generation_dflash.py"} <= files
     config = json.loads((tmp_path / "config.json").read_text())
     for key in (
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..generation_dflash import DFlashStats
+from ..controller_dflash import DFlashStats
 from ..loading import DTYPES, load_target, resolve_device
 from ..modeling_dflash import DFlashDraftModel
 from .blocks import block_labels_and_weights, build_block_inputs, build_block_mask, sample_anchors

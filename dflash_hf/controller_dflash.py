@@ -1,0 +1,1 @@
+../controller_dflash.py

@@ -189,7 +189,9 @@ class BatchedDFlashLoop:
         sampled = self.do_sample and draft_sampling_mode(drafter, generation_config) == "sample"
         self.temperature = generation_config.temperature if sampled else None
         self.layer_ids = list(drafter.config.target_layer_ids)
-        self.draft_head = DFlashDraftHead(drafter, target.get_input_embeddings(), target.get_output_embeddings())
+        self.draft_head = DFlashDraftHead(
+            drafter, target.get_input_embeddings(), target.get_output_embeddings(), prompt_ids=input_ids
+        )
         self.cache = cache
 
         batch, prompt_len = input_ids.shape

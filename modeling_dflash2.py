@@ -169,8 +169,11 @@ class DFlash2DraftModel(DFlashDraftModel):
         """Draft hidden states ``rows [M, H]`` -> ``(path [M], draft_logits [M, V] or None)``, see
         `DFlash2CandidateSelector.walk`. ``temperature`` None: the greedy walk. ``warp`` (the target's logits
         processors) is not applied: the reference's q is ``softmax(S_t / T)`` over the selector's candidates."""
-        logits = self.transform_logits(lm_head(rows))  # full vocabulary, the head's dtype, before top-k
-        unary, candidates = logits.topk(self.config.selector_top_k, dim=-1, sorted=False)
+        logits = self.transform_logits(lm_head(rows))  # full (or draft) vocabulary, the head's dtype, before top-k
+        unary, candidates = logits.topk(min(self.config.selector_top_k, logits.shape[-1]), dim=-1, sorted=False)
+        vocab_ids = getattr(lm_head, "vocab_ids", None)  # a `DraftVocabHead`: columns -> token ids
+        if vocab_ids is not None:
+            candidates = vocab_ids[candidates]
         device = self.candidate_selector.successor_codebook.device
         return self.candidate_selector.walk(
             unary.to(device), candidates.to(device), rows.to(device=device, dtype=self.dtype), anchor.to(device),

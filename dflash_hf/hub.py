@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import MuseGlimmerAssistantConfig
 from transformers.dynamic_module_utils import get_relative_imports
 
+from .atomic import atomic_path
 from .configuration_dflash import DRAFT_VALUE_KEYS, DFlashConfig
 from .files import check_safetensors, write_folder
 from .modeling_dflash import DFlashDraftModel
@@ -286,6 +287,21 @@ def _to_zlab(src_dir: Path, dst_dir: Path, overrides: dict) -> None:
     model.save_pretrained(dst_dir)
 
 
+def set_draft_vocab(draft_dir, ids) -> Path:
+    """Write ``ids`` (token ids, any order) as the drafter's draft vocabulary (``dflash_config.draft_vocab``, see
+    `DFlashConfig`) into ``draft_dir/config.json``, or remove it with ``ids=None``; no weight is touched. The
+    config is rewritten atomically, every other key as it was."""
+    draft_dir = Path(draft_dir)
+    _require_drafter_folder(draft_dir)
+    config = DFlashConfig.from_pretrained(draft_dir)
+    config.draft_vocab = None if ids is None else sorted({int(i) for i in ids})
+    config._validate_dflash_fields()
+    path = draft_dir / "config.json"
+    with atomic_path(path) as tmp:
+        config.to_json_file(tmp)
+    return path
+
+
 def validate_for_publishing(draft_dir) -> list[str]:
     """Problems that would make the uploaded drafter fail in vLLM, SGLang or transformers; empty means ready."""
     draft_dir = Path(draft_dir)
@@ -427,6 +443,7 @@ __all__ = [
     "REMOTE_CODE_FILES",
     "publishable_files",
     "push_to_hub",
+    "set_draft_vocab",
     "upload_sources",
     "validate_for_publishing",
     "write_model_card",

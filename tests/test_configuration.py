@@ -61,3 +61,29 @@ def test_sliding_window_survives_for_sliding_layers():
         }
     )
     assert config.sliding_window == 32
+
+
+def test_draft_vocab_round_trips_inside_dflash_config_on_one_line(tmp_path):
+    """``draft_vocab`` is read from ``dflash_config``, written back there (one JSON line, not one line per id) and
+    absent from configs that have none, so published layouts save unchanged."""
+    import json
+
+    config = DFlashConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100, mask_token_id=3,
+                          dflash_config={"draft_vocab": [2, 5, 7, 50]})
+    assert config.draft_vocab == [2, 5, 7, 50]
+    config.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    assert '"draft_vocab": [2, 5, 7, 50]' in text
+    saved = json.loads(text)
+    assert saved["dflash_config"]["draft_vocab"] == [2, 5, 7, 50] and "draft_vocab" not in saved
+    assert DFlashConfig.from_pretrained(tmp_path).draft_vocab == [2, 5, 7, 50]
+    config.draft_vocab = None
+    assert "draft_vocab" not in config.to_dict()["dflash_config"]
+    plain = DFlashConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100, mask_token_id=3)
+    assert "draft_vocab" not in plain.to_dict()["dflash_config"] and "draft_vocab" not in plain.to_json_string()
+
+
+@pytest.mark.parametrize("ids", [[], [5, 2], [2, 2, 5], [-1, 4], [4, 100]])
+def test_invalid_draft_vocab_raises_with_the_fix(ids):
+    with pytest.raises(ValueError, match="draft_vocab must be a non-empty sorted list"):
+        DFlashConfig(hidden_size=64, num_hidden_layers=2, vocab_size=100, dflash_config={"draft_vocab": ids})

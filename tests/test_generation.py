@@ -291,3 +291,110 @@ def test_head_argmax_times_each_size_once_and_calls_other_heads_as_they_are(monk
     biased = torch.nn.Linear(16, 50)
     assert torch.equal(head_argmax(biased, rows), biased(rows).argmax(dim=-1))
     assert len(generation_dflash._FASTER_TRANSPOSED) == 1
+
+
+# --- a draft vocabulary (`config.draft_vocab`): drafts from those rows of the target's head only ---
+DRAFT_VOCAB = list(range(4, VOCAB, 3))  # a third of the tokens
+
+
+def recording_drafts(drafter):
+    """Record every draft ``drafter.propose`` returns (all rounds, all rows)."""
+    seen, real = [], drafter.propose
+
+    def propose(*args, **kwargs):
+        drafts, logits = real(*args, **kwargs)
+        seen.append(drafts.flatten())
+        return drafts, logits
+
+    drafter.propose = propose
+    return seen
+
+
+def test_draft_vocab_head_drafts_the_restricted_argmax_and_samples_inside_it(target):
+    """With ``draft_vocab`` the drafts are the argmax of the full head's logits over those ids (which differs from
+    the unrestricted argmax here), and a sampled draft's q is the tempered logits on those ids, zero elsewhere."""
+    from dflash_hf.generation_dflash import DFlashDraftHead, DraftVocabHead, extract_context_feature
+    from transformers.cache_utils import DynamicCache
+
+    full = tiny_drafter(target, block_size=8)
+    restricted = tiny_drafter(target, block_size=8, draft_vocab=DRAFT_VOCAB)  # same seed: the same weights
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    ids = random_prompt(2)
+    with torch.no_grad():
+        context = extract_context_feature(target(ids, output_hidden_states=True).hidden_states,
+                                          full.config.target_layer_ids)
+        block = torch.tensor([[int(ids[0, -1])] + [MASK_ID] * 7])
+        positions = torch.arange(ids.shape[1] + 7)[None]
+        hidden = full(noise_embedding=embed(block), target_hidden=context[:, :-1], position_ids=positions)
+        logits = lm_head(hidden.last_hidden_state[0, 1:])  # [7, V]
+    vocab = torch.tensor(DRAFT_VOCAB)
+    head = DFlashDraftHead(restricted, embed, lm_head)
+    assert isinstance(head.lm_head, DraftVocabHead) and head.lm_head.vocab_ids.tolist() == DRAFT_VOCAB
+    drafts, q = head(block, context[:, :-1], positions, DynamicCache(), 7)
+    assert q is None and torch.equal(drafts[0], vocab[logits[:, vocab].argmax(-1)])
+    assert not torch.equal(drafts[0], logits.argmax(-1))  # the restriction changed some drafts
+    full_drafts, _ = DFlashDraftHead(full, embed, lm_head)(block, context[:, :-1], positions, DynamicCache(), 7)
+    assert torch.equal(full_drafts[0], logits.argmax(-1))
+
+    torch.manual_seed(0)
+    drafts, q = head(block, context[:, :-1], positions, DynamicCache(), 7, temperature=0.5)
+    inside = torch.zeros(VOCAB, dtype=torch.bool)
+    inside[vocab] = True
+    assert bool(torch.isinf(q[0][:, ~inside]).all()) and not bool(torch.isinf(q[0][:, inside]).any())
+    torch.testing.assert_close(q[0][:, inside], logits[:, inside] / 0.5)
+    assert bool(inside[drafts[0]].all())
+
+
+def test_the_prompts_tokens_join_the_draft_vocab_for_the_call(target):
+    """Answers copy names from their prompt: the prompt's tokens are drafted from too (for that call only)."""
+    from dflash_hf.generation_dflash import DFlashDraftHead
+
+    drafter = tiny_drafter(target, draft_vocab=DRAFT_VOCAB)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    prompt = torch.tensor([[5, 6, 7, 5, 90]])
+    head = DFlashDraftHead(drafter, embed, lm_head, prompt_ids=prompt).lm_head
+    assert head.vocab_ids.tolist() == sorted(set(DRAFT_VOCAB) | {5, 6, 7, 90})
+    torch.testing.assert_close(head.weight, lm_head.weight[head.vocab_ids])
+    assert DFlashDraftHead(tiny_drafter(target), embed, lm_head, prompt_ids=prompt).lm_head is lm_head  # no vocab
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_with_a_draft_vocab_is_identical_and_drafts_stay_inside_it(target, adaptive):
+    drafter = tiny_drafter(target, block_size=8, adaptive=adaptive, draft_vocab=DRAFT_VOCAB)
+    for seed in range(3):
+        seen = recording_drafts(drafter)
+        ids = random_prompt(seed, length=5 + 4 * seed)
+        assert torch.equal(greedy(target, ids, 24, assistant_model=drafter), greedy(target, ids, 24))
+        drafted = torch.cat(seen)
+        assert len(drafted) > 0 and set(drafted.tolist()) <= set(DRAFT_VOCAB) | set(ids[0].tolist())
+
+
+def test_batched_greedy_with_a_draft_vocab_is_identical_and_drafts_stay_inside_it(target):
+    """The batched loop drafts through the same `DFlashDraftHead`, so it gets the draft vocabulary too."""
+    drafter = tiny_drafter(target, block_size=4, draft_vocab=DRAFT_VOCAB)
+    seen = recording_drafts(drafter)
+    prompts = [random_prompt(seed, length) for seed, length in enumerate((3, 9, 20))]
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - p.shape[1] :], mask[i, width - p.shape[1] :] = p[0], 1
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False))
+    drafted = torch.cat(seen)
+    assert len(drafted) > 0 and set(drafted.tolist()) <= set(DRAFT_VOCAB) | set(ids.flatten().tolist())
+
+
+def test_draft_vocab_survives_save_and_trust_remote_code_loading(target, tmp_path):
+    """A drafter saved with its draft vocabulary and loaded through ``AutoModel(..., trust_remote_code=True)`` (its
+    own copy of the code) drafts inside it and stays exact."""
+    from transformers import AutoModel
+
+    tiny_drafter(target, block_size=4, draft_vocab=DRAFT_VOCAB).save_pretrained(tmp_path / "d")
+    drafter = AutoModel.from_pretrained(tmp_path / "d", trust_remote_code=True).eval()
+    assert drafter.config.draft_vocab == DRAFT_VOCAB
+    drafter.adaptive_block_size = False
+    seen = recording_drafts(drafter)
+    ids = random_prompt(4)
+    assert torch.equal(greedy(target, ids, 16, assistant_model=drafter), greedy(target, ids, 16))
+    assert len(seen) > 0 and set(torch.cat(seen).tolist()) <= set(DRAFT_VOCAB) | set(ids[0].tolist())

@@ -234,3 +234,21 @@ def test_draft_sampling_is_chosen_per_call_with_the_drafter_default(tmp_path):
         utils._speculative_sampling = real
     with pytest.raises(ValueError, match="draft_sampling must be 'greedy' or 'sample'"):
         target.generate(ids, assistant_model=drafter, do_sample=True, max_new_tokens=4, draft_sampling="argmax")
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(0.7, 0)])
+def test_sampled_drafts_from_a_draft_vocabulary_follow_target_distribution(temperature, top_k):
+    """With ``draft_vocab`` q is the drafter's warped softmax over those ids and zero elsewhere; rejection sampling
+    stays exact: tokens outside the draft vocabulary can only come from the residual ``norm(max(p - q, 0))``, and
+    they do (the vocabulary leaves out tokens the target samples)."""
+    target = tiny_target("qwen3", seed=3, vocab_size=8, head_scale=6.0)
+    draft_vocab = [1, 2, 4, 6]
+    drafter = tiny_drafter(target, block_size=4, draft_vocab=draft_vocab)
+    ids = random_prompt(4, length=6) % 7 + 1  # no pad id (0) in the prompt
+    joint = exact_joint(target, ids, processors(temperature, top_k, 1.0))
+    outside = sum(p for sequence, p in joint.items() if set(sequence) - set(draft_vocab))
+    assert 0.1 < outside < 0.9  # the residual path is needed often, and drafts can be accepted often
+    options = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0, max_new_tokens=3,
+                   draft_sampling="sample")
+    accepted = check_follows_the_joint(target, drafter, ids, joint, options)
+    assert accepted > NUM_SAMPLES * 0.2  # drafts were really accepted, so the acceptance rule was exercised

@@ -456,10 +456,35 @@ def test_vocab_subset_head_keeps_the_loss_of_in_subset_labels():
 
 
 def test_training_with_a_vocab_subset(work, tmp_path):
+    """The drafter keeps the tokens its loss covered as its draft vocabulary, in checkpoints and the final drafter."""
     summary = main(train_argv(work, tmp_path / "subset", "--max-steps", "3", "--train-vocab", "40"))
     assert summary["step"] == 3 and summary["blocks"] > 0
-    counts = ShardDataset(work / "data").frequent_response_tokens(40)
-    assert len(counts[0]) == 40 and 0 < counts[1] <= 1
+    ids, coverage = ShardDataset(work / "data").frequent_response_tokens(40)
+    assert len(ids) == 40 and 0 < coverage <= 1
+    assert DFlashConfig.from_pretrained(tmp_path / "subset" / "final").draft_vocab == ids.tolist()
+    checkpoint = sorted((tmp_path / "subset" / "checkpoints").iterdir())[-1]
+    assert DFlashDraftModel.from_pretrained(checkpoint).config.draft_vocab == ids.tolist()
+
+
+def test_draft_vocab_command_attaches_and_clears_a_vocabulary(work, tmp_path, capsys):
+    """``dflash-hf draft-vocab`` writes the most frequent response tokens of the shards into config.json (a folder
+    named twice counts twice) and nothing else; ``--clear`` removes them; a wrong folder is one line."""
+    from dflash_hf.cli import main as cli
+
+    draft = tmp_path / "draft"
+    target_config = DFlashConfig.from_pretrained(work / "target")
+    DFlashDraftModel(DFlashConfig.from_target_config(target_config, mask_token_id=MASK, num_hidden_layers=1,
+                                                     target_layer_ids=[0, 2])).save_pretrained(draft)
+    before = json.loads((draft / "config.json").read_text())
+    assert cli(["draft-vocab", str(draft), "--data", str(work / "data"), str(work / "data"), "--size", "30"]) == 0
+    ids, coverage = ShardDataset(work / "data").frequent_response_tokens(30)
+    after = json.loads((draft / "config.json").read_text())
+    assert after["dflash_config"].pop("draft_vocab") == ids.tolist() and after == before
+    assert f"{100 * coverage:.2f}%" in capsys.readouterr().out
+    assert cli(["draft-vocab", str(draft), "--clear"]) == 0
+    assert DFlashConfig.from_pretrained(draft).draft_vocab is None
+    assert cli(["draft-vocab", str(tmp_path / "missing"), "--clear"]) == 1
+    assert "is not a folder: pass a local drafter folder" in capsys.readouterr().err.splitlines()[-1]
 
 
 # ------------------------------------------------------------------------------------ typed configs, library

@@ -111,7 +111,8 @@ def _add_train_options(p):
                    help="keep label position k with probability w_k at unit weight (cuts lm_head cost ~2x)")
     g.add_argument("--train-vocab", type=NON_NEGATIVE_INT, default=0,
                    help="loss over the N most frequent response tokens only (0 = the full vocabulary): the lm_head "
-                   "is most of a CPU step; the drafter still drafts over the full vocabulary")
+                   "is most of a CPU step; the drafter keeps them as its draft vocabulary (config draft_vocab) and "
+                   "drafts from those rows of the lm_head only")
     g.add_argument("--max-length", type=COUNT, default=3072, help="truncate sequences to this many tokens")
     g.add_argument("--online-features", action="store_true",
                    help="run the target for features even when the shards store them")
@@ -189,6 +190,24 @@ def add_eval_parser(subparsers):
     return p
 
 
+def add_draft_vocab_parser(subparsers):
+    p = subparsers.add_parser(
+        "draft-vocab", help="give a drafter its draft vocabulary (the tokens it drafts from)",
+        description="Write the N most frequent response tokens of distilled shards into a drafter's config.json "
+                    "(dflash_config.draft_vocab): the drafter then drafts from those rows of the target's lm_head "
+                    "only, a fraction of the head's cost per round. Use the data (and N) the drafter was trained on "
+                    "with --train-vocab N; output stays exact either way. No weight is changed.")
+    p.add_argument("draft", help="drafter folder (config.json is rewritten in place)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", nargs="+",
+                        help="folders of shard-*.safetensors; a folder named twice counts twice (as a training mix "
+                        "that lists shards twice)")
+    source.add_argument("--clear", action="store_true", help="remove the draft vocabulary (draft over all tokens)")
+    p.add_argument("--size", type=COUNT, default=8192, help="tokens kept (the training run's --train-vocab)")
+    p.set_defaults(func=run_draft_vocab)
+    return p
+
+
 def add_train_all_parser(subparsers):
     p = subparsers.add_parser(
         "train-all", help="distill + train within one wall-clock budget (GPU-ready)",
@@ -252,6 +271,26 @@ def run_eval(args):
     return evaluate(from_args(EvalConfig, args, chat_template_kwargs=json_object(args.chat_template_kwargs)))
 
 
+def run_draft_vocab(args):
+    import torch
+
+    from ..hub import set_draft_vocab
+    from .data import ShardDataset, most_frequent
+
+    if args.clear:
+        print(f"{set_draft_vocab(args.draft, None)}: no draft vocabulary (drafts over the full vocabulary)")
+        return None
+    counts = [ShardDataset(folder, load_features=False).response_token_counts() for folder in args.data]
+    total = torch.zeros(max(len(c) for c in counts), dtype=torch.long)
+    for c in counts:
+        total[: len(c)] += c
+    ids, coverage = most_frequent(total, args.size)
+    path = set_draft_vocab(args.draft, ids.tolist())
+    print(f"{path}: draft vocabulary of {len(ids)} tokens, {100 * coverage:.2f}% of the {int(total.sum()):,} "
+          "response tokens")
+    return ids
+
+
 def run_train_all(args):
     from .pipeline import train_all
 
@@ -264,4 +303,11 @@ def run_train_all(args):
     return summary
 
 
-__all__ = ["add_distill_parser", "add_features_parser", "add_eval_parser", "add_train_all_parser", "add_train_parser"]
+__all__ = [
+    "add_distill_parser",
+    "add_draft_vocab_parser",
+    "add_eval_parser",
+    "add_features_parser",
+    "add_train_all_parser",
+    "add_train_parser",
+]

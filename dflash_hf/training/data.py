@@ -148,16 +148,19 @@ class ShardDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def frequent_response_tokens(self, count: int) -> tuple[torch.LongTensor, float]:
-        """The ``count`` most frequent token ids among response tokens (``loss_mask`` 1), and the share of response
-        tokens they cover."""
+    def response_token_counts(self) -> torch.LongTensor:
+        """How often each token id occurs among response tokens (``loss_mask`` 1): ``[max id + 1]``."""
         counts = torch.zeros(0, dtype=torch.long)
         for input_ids, loss_mask in self._tokens.values():
             ids = input_ids[loss_mask.bool()].long()
             shard_counts = torch.bincount(ids, minlength=len(counts))
             counts = torch.nn.functional.pad(counts, (0, len(shard_counts) - len(counts))) + shard_counts
-        top = counts.topk(min(count, len(counts)))
-        return top.indices.sort().values, float(top.values.sum() / counts.sum().clamp(min=1))
+        return counts
+
+    def frequent_response_tokens(self, count: int) -> tuple[torch.LongTensor, float]:
+        """The ``count`` most frequent token ids among response tokens (``loss_mask`` 1), sorted, and the share of
+        response tokens they cover (`most_frequent`)."""
+        return most_frequent(self.response_token_counts(), count)
 
     def __getitem__(self, item: int) -> dict:
         shard, start, end = self.index[item]
@@ -169,6 +172,12 @@ class ShardDataset(torch.utils.data.Dataset):
             with safe_open(str(self.paths[shard]), framework="pt") as handle:
                 sample["features"] = handle.get_slice("features")[start:end]
         return sample
+
+
+def most_frequent(counts: torch.LongTensor, count: int) -> tuple[torch.LongTensor, float]:
+    """The ``count`` ids with the highest ``counts`` (sorted ids) and the share of all counts they hold."""
+    top = counts.topk(min(count, len(counts)))
+    return top.indices.sort().values, float(top.values.sum() / counts.sum().clamp(min=1))
 
 
 def collate(samples: list[dict], pad_token_id: int = 0) -> dict:
@@ -196,4 +205,4 @@ def collate(samples: list[dict], pad_token_id: int = 0) -> dict:
     return out
 
 
-__all__ = ["Prompt", "ShardDataset", "collate", "read_prompts", "shard_path", "write_shard"]
+__all__ = ["Prompt", "ShardDataset", "collate", "most_frequent", "read_prompts", "shard_path", "write_shard"]

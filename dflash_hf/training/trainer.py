@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_path, remove, remove_stale_temporaries, removed_on_error, replace, temporary_name
 from ..configuration_dflash import DFlashConfig
-from ..generation_dflash import extract_context_feature
+from ..generation_dflash import DraftVocabHead, extract_context_feature
 from ..loading import DTYPES, resolve_device
 from ..modeling_dflash import DFlashDraftModel
 from .blocks import (
@@ -57,24 +57,20 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------- the loss
-class VocabSubsetHead(nn.Module):
-    """The frozen ``lm_head`` restricted to the token ids ``ids [N]``: logits ``[..., N]`` over those tokens only.
+class VocabSubsetHead(DraftVocabHead):
+    """The frozen ``lm_head`` restricted to the token ids ``ids [N]`` (a `DraftVocabHead`): logits ``[..., N]`` over
+    those tokens only, and each label's row among them.
 
     The head is most of a CPU training step (``V x H`` per label row); the few thousand tokens that make up almost
     all of the distilled responses cost ``N / V`` of it. Labels outside the subset carry no loss (`block_loss`).
-    At inference the drafter still uses the full ``lm_head``.
+    The drafter keeps ``ids`` as its draft vocabulary (``config.draft_vocab``) and drafts from those rows only.
     """
 
     def __init__(self, lm_head: nn.Linear, ids: torch.LongTensor):
-        super().__init__()
-        weight = lm_head.weight.detach()
-        self.register_buffer("weight", weight[ids.to(weight.device)].clone(), persistent=False)
-        lookup = torch.full((weight.shape[0],), -1, dtype=torch.long, device=weight.device)
-        lookup[ids.to(weight.device)] = torch.arange(len(ids), device=weight.device)
+        super().__init__(lm_head, ids)
+        lookup = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.weight.device)
+        lookup[self.vocab_ids] = torch.arange(len(ids), device=self.weight.device)
         self.register_buffer("lookup", lookup, persistent=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
 
     def rows(self, labels: torch.LongTensor) -> torch.LongTensor:
         """Each label's row in the subset, -1 outside it."""
@@ -491,6 +487,8 @@ def setup_training(config: TrainConfig) -> TrainingRun:
 
     resume_dir = resolve_resume(config.resume, out_dir) if config.resume else None
     draft = load_draft(config, target, dataset, resume_dir, rank)
+    if config.train_vocab:  # drafted from at inference too (`DraftVocabHead`): saved with every checkpoint
+        draft.config.draft_vocab = lm_head.vocab_ids.tolist()
     draft.to(device).train()
     model = draft
     if world > 1:

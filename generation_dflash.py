@@ -407,7 +407,7 @@ def sample_drafts(logits: torch.Tensor, warp) -> tuple[torch.LongTensor, torch.T
     return drafts, torch.cat(scores)
 
 
-_FASTER_TRANSPOSED: dict[tuple, bool] = {}  # (dtype, rows, weight shape) -> W @ rows.T beats rows @ W.T
+_FASTER_TRANSPOSED: dict[tuple, bool] = {}  # (dtype, rows, (head rows to a power of 2, H)) -> W @ rows.T is faster
 
 
 def head_argmax(lm_head, rows: torch.Tensor) -> torch.LongTensor:
@@ -435,7 +435,8 @@ def calibrate_head(lm_head, num_rows: int) -> bool:
     if not _is_plain_cpu_head(lm_head):
         return False
     weight = lm_head.weight
-    key = (weight.dtype, num_rows, tuple(weight.shape))
+    # Head sizes within a power of two share a choice: a `DraftVocabHead` has a few rows more or less per prompt.
+    key = (weight.dtype, num_rows, (1 << (weight.shape[0] - 1).bit_length(), weight.shape[1]))
     if key not in _FASTER_TRANSPOSED:
         rows = torch.zeros(num_rows, weight.shape[1], dtype=weight.dtype)
         _FASTER_TRANSPOSED[key] = _fastest_time(lambda: weight @ rows.T) < _fastest_time(lambda: rows @ weight.T)

@@ -279,7 +279,7 @@ def test_drafter_inputs_are_anchor_and_masks_at_absolute_positions(target):
 def test_head_argmax_equals_lm_head_argmax_in_either_matmul_form(dtype, transposed, monkeypatch):
     head = torch.nn.Linear(16, 50, bias=False).to(dtype)
     rows = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
-    monkeypatch.setitem(_FASTER_TRANSPOSED, (dtype, 3, (50, 16)), transposed)
+    monkeypatch.setitem(_FASTER_TRANSPOSED, (dtype, 3, (64, 16)), transposed)
     assert torch.equal(head_argmax(head, rows), head(rows).argmax(dim=-1))
 
 
@@ -287,7 +287,9 @@ def test_head_argmax_times_each_size_once_and_calls_other_heads_as_they_are(monk
     monkeypatch.setattr(generation_dflash, "_FASTER_TRANSPOSED", {})
     head, rows = torch.nn.Linear(16, 50, bias=False), torch.randn(5, 16)
     head_argmax(head, rows)
-    assert list(generation_dflash._FASTER_TRANSPOSED) == [(torch.float32, 5, (50, 16))]
+    assert list(generation_dflash._FASTER_TRANSPOSED) == [(torch.float32, 5, (64, 16))]  # 50 rows: up to 64
+    head_argmax(torch.nn.Linear(16, 60, bias=False), rows)  # a head of similar size shares the choice
+    assert len(generation_dflash._FASTER_TRANSPOSED) == 1
     biased = torch.nn.Linear(16, 50)
     assert torch.equal(head_argmax(biased, rows), biased(rows).argmax(dim=-1))
     assert len(generation_dflash._FASTER_TRANSPOSED) == 1

@@ -4,9 +4,12 @@ One optimizer step, per sequence batch (see `blocks` for the block layout):
 
 1. features: the shard's stored ``hidden_states[l + 1]`` of the target, or one no-grad target forward when the
    shards have none (online);
-2. random anchors in the response, all blocks side by side, one boolean mask (context ``< anchor``, bidirectional
-   inside a block, nothing across blocks), the target's frozen embedding for ``[anchor, mask x (B-1)]``;
-3. one drafter forward; the target's frozen ``lm_head`` on the label positions only (rows with weight > 0);
+2. random anchors in the response, all blocks side by side, one attention picture (context ``< anchor``,
+   bidirectional inside a block, nothing across blocks): computed from the anchors alone by ``block_sparse``
+   (`attention`, the CPU default), a FlexAttention ``BlockMask`` on CUDA, a dense boolean mask for SDPA/eager; the
+   target's frozen embedding for ``[anchor, mask x (B-1)]``; the context cut where the last anchor starts;
+3. one drafter forward (its last MLP on the label rows only, `last_mlp_on_rows`); the target's frozen ``lm_head``
+   on the label positions only (rows with weight > 0);
 4. weighted CE ``sum(w * CE) / sum(w)``, ``w_k = exp(-(k-1)/gamma)``; with ``--sample-positions`` each label
    position is kept with probability ``w_k`` at unit weight instead (same expected loss, fewer ``lm_head`` rows);
 5. AdamW, cosine schedule with warm-up, gradient clipping (``fc`` clipped on its own: massive target activations

@@ -240,8 +240,86 @@ def test_flex_attention_block_mask_equals_dense_mask(sliding):
     torch.testing.assert_close(outputs["flex_attention"][rows], outputs["sdpa"][rows], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rule", ["none", "causal", "sliding"])
+def test_block_sparse_attention_equals_dense_mask(rule):
+    """The CPU training attention (only the seen scores) gives SDPA's outputs and gradients with the dense block
+    mask, padded block included; a layer's own position rule (causal, sliding window) is applied too."""
+    from dflash_hf.training.attention import BLOCK_SPARSE, BlockLayout
+
+    torch.manual_seed(0)
+    config = tiny_config(is_causal=True) if rule == "causal" else tiny_config()
+    if rule == "sliding":
+        config.sliding_window, config.layer_types = 5, ["sliding_attention", "full_attention"]
+    draft = DFlashDraftModel(config)
+    seq_len, block = 16, 4
+    input_ids = torch.randint(0, 49, (2, seq_len))
+    anchors, keep = torch.tensor([[1, 6, 11], [9, 12, 0]]), torch.tensor([[True, True, True], [True, True, False]])
+    noise, positions = build_block_inputs(input_ids, anchors, block, 49, keep)
+    embeds, features = torch.randn(2, 12, 32), torch.randn(2, seq_len, 64)
+    outputs, grads = {}, {}
+    for implementation, masks in (("sdpa", {"attention_mask": build_block_mask(anchors, keep, seq_len, block)}),
+                                  (BLOCK_SPARSE, {"block_layout": BlockLayout(anchors, keep)})):
+        draft.zero_grad()
+        draft.config._attn_implementation = implementation
+        hidden = draft(noise_embedding=embeds, target_hidden=features, position_ids=positions,
+                       **masks).last_hidden_state
+        (hidden * torch.linspace(-1, 1, 32)).sum().backward()
+        outputs[implementation], grads[implementation] = hidden.detach(), [p.grad for p in draft.parameters()]
+    torch.testing.assert_close(outputs[BLOCK_SPARSE], outputs["sdpa"], atol=1e-5, rtol=1e-5)
+    for sparse, dense in zip(grads[BLOCK_SPARSE], grads["sdpa"]):
+        torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-4)
+    if rule != "none":  # the rule is not a no-op here: without it the outputs differ
+        draft.config = tiny_config()
+        draft.config._attn_implementation = BLOCK_SPARSE
+        with torch.no_grad():
+            plain = draft(noise_embedding=embeds, target_hidden=features, position_ids=positions,
+                          block_layout=BlockLayout(anchors, keep)).last_hidden_state
+        assert not torch.allclose(plain, outputs[BLOCK_SPARSE], atol=1e-3)
+
+
+@pytest.mark.parametrize("implementation", ["block_sparse", "sdpa"])
+def test_block_loss_equals_the_plain_dense_loss(implementation):
+    """`block_loss` (context cut at the last anchor, the last MLP on label rows only, the chosen attention) gives
+    the loss and gradients of the plain formula: the whole context, the dense mask, every row through every layer."""
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(tiny_config(num_hidden_layers=2))
+    embed, head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50, bias=False)
+    seq_len, block = 40, 4
+    input_ids = torch.randint(0, 49, (2, seq_len))
+    loss_mask = torch.zeros(2, seq_len)
+    loss_mask[0, 10:30], loss_mask[1, 5:] = 1, 1  # sequence 0 ends in padding: context after its anchors unseen
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask}
+    features = torch.randn(2, seq_len, 64)
+
+    # the plain formula, drawing anchors and positions in block_loss's order
+    generator = torch.Generator().manual_seed(3)
+    anchors, keep = sample_anchors(loss_mask, block, 6, generator)
+    noise, positions = build_block_inputs(input_ids, anchors, block, 49, keep)
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block, 2.0)
+    chosen = (weights > 0) & (torch.rand(weights.shape, generator=generator) < weights)
+    draft.config._attn_implementation = "sdpa"
+    hidden = draft(noise_embedding=embed(noise), target_hidden=features, position_ids=positions,
+                   attention_mask=build_block_mask(anchors, keep, seq_len, block)).last_hidden_state
+    expected = torch.nn.functional.cross_entropy(head(hidden[chosen]), labels[chosen], reduction="sum")
+    expected = expected / weights.sum()
+    expected.backward()
+    expected_grads = [p.grad.clone() for p in draft.parameters()]
+    assert int(anchors.max()) + 1 < seq_len and chosen.float().mean() < 0.6  # both shortcuts skip something
+
+    draft.zero_grad()
+    draft.config._attn_implementation = implementation
+    loss, _ = block_loss(draft, embed, head, batch, features, block_size=block, num_anchors=6, mask_token_id=49,
+                         gamma=2.0, generator=torch.Generator().manual_seed(3), sample_positions=True)
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    for param, grad in zip(draft.parameters(), expected_grads):
+        torch.testing.assert_close(param.grad, grad, atol=1e-6, rtol=1e-4)
+    mlp = draft.layers[-1].mlp
+    assert not mlp._forward_hooks and not mlp._forward_pre_hooks  # the shortcut does not outlive the loss
+
+
 def test_training_attention_choice():
-    assert resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_attention("auto", torch.device("cpu")) == "block_sparse"
     assert resolve_attention("auto", torch.device("cuda", 0)) == "flex_attention"
     assert resolve_attention("eager", torch.device("cuda", 0)) == "eager"
     with pytest.raises(ValueError, match="no backward on CPU"):

@@ -100,9 +100,11 @@ def _add_train_options(p):
                    "shipped one: training accumulates across runs")
     g.add_argument("--warm-start", action="store_true",
                    help="copy the target's top layers and final norm into the drafter; fc selects the last feature")
-    g.add_argument("--attn-implementation", default="auto", choices=["auto", "flex_attention", "sdpa", "eager"],
-                   help="drafter attention in training: flex_attention computes the block mask per tile (GPU "
-                   "only); sdpa/eager take a dense boolean mask; auto = flex_attention on CUDA, sdpa elsewhere")
+    g.add_argument("--attn-implementation", default="auto",
+                   choices=["auto", "block_sparse", "flex_attention", "sdpa", "eager"],
+                   help="drafter attention in training: block_sparse computes only the scores a block sees (plain "
+                   "matmuls); flex_attention computes the block mask per tile (GPU only); sdpa/eager take a dense "
+                   "boolean mask; auto = flex_attention on CUDA, block_sparse elsewhere")
     g = p.add_argument_group("blocks and loss")
     g.add_argument("--num-anchors", type=COUNT, default=512, help="blocks (random anchors) per sequence per step")
     g.add_argument("--gamma", type=float, default=None,

@@ -72,7 +72,7 @@ class TrainOptions:
     intermediate_size: int | None = None  # drafter MLP width (None: the target's)
     init_from: str | None = None  # start from this trained drafter folder (fresh optimizer and schedule)
     warm_start: bool = False  # copy the target's top layers and final norm into the drafter
-    attn_implementation: str = "auto"  # auto, flex_attention, sdpa or eager (training only)
+    attn_implementation: str = "auto"  # auto, block_sparse, flex_attention, sdpa or eager (training only)
     # blocks and loss
     num_anchors: int = 512
     gamma: float | None = None  # loss decay exp(-(k-1)/gamma); None: default_gamma(block_size); <= 0: uniform

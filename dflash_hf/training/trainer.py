@@ -4,9 +4,12 @@ One optimizer step, per sequence batch (see `blocks` for the block layout):
 
 1. features: the shard's stored ``hidden_states[l + 1]`` of the target, or one no-grad target forward when the
    shards have none (online);
-2. random anchors in the response, all blocks side by side, one boolean mask (context ``< anchor``, bidirectional
-   inside a block, nothing across blocks), the target's frozen embedding for ``[anchor, mask x (B-1)]``;
-3. one drafter forward; the target's frozen ``lm_head`` on the label positions only (rows with weight > 0);
+2. random anchors in the response, all blocks side by side, one attention picture (context ``< anchor``,
+   bidirectional inside a block, nothing across blocks): computed from the anchors alone by ``block_sparse``
+   (`attention`, the CPU default), a FlexAttention ``BlockMask`` on CUDA, a dense boolean mask for SDPA/eager; the
+   target's frozen embedding for ``[anchor, mask x (B-1)]``; the context cut where the last anchor starts;
+3. one drafter forward (its last MLP on the label rows only, `last_mlp_on_rows`); the target's frozen ``lm_head``
+   on the label positions only (rows with weight > 0);
 4. weighted CE ``sum(w * CE) / sum(w)``, ``w_k = exp(-(k-1)/gamma)``; with ``--sample-positions`` each label
    position is kept with probability ``w_k`` at unit weight instead (same expected loss, fewer ``lm_head`` rows);
 5. AdamW, cosine schedule with warm-up, gradient clipping (``fc`` clipped on its own: massive target activations
@@ -27,7 +30,7 @@ import os
 import random
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -50,6 +53,7 @@ from .blocks import (
     default_gamma,
     sample_anchors,
 )
+from .attention import BLOCK_SPARSE, BlockLayout
 from .config import TrainConfig, TrainOptions
 from .data import ShardDataset, collate
 
@@ -93,10 +97,17 @@ def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor
     if anchors.shape[1] == 0:  # no response position can anchor a block: a zero loss that still touches every param
         return sum(p.sum() * 0.0 for p in draft.parameters()), stats
     noise_ids, position_ids = build_block_inputs(input_ids, anchors, block_size, mask_token_id, keep)
+    # no block sees the context from the last anchor on (nor the batch's right padding): leave it out
+    context_len = max(1, int(anchors.max()))
+    features = features[:, :context_len]
+    position_ids = torch.cat([position_ids[:, :context_len], position_ids[:, seq_len:]], dim=1)
+    mask, layout = None, {}
     if draft_attention(draft) == "flex_attention":  # block-sparse: the kernel skips fully masked tiles
-        mask = build_flex_block_mask(anchors.to(device), keep.to(device), seq_len, block_size)
+        mask = build_flex_block_mask(anchors.to(device), keep.to(device), context_len, block_size)
+    elif draft_attention(draft) == BLOCK_SPARSE:  # only the seen scores, from the anchors (no mask)
+        layout = {"block_layout": BlockLayout(anchors.to(device), keep.to(device))}
     else:
-        mask = build_block_mask(anchors, keep, seq_len, block_size).to(device)
+        mask = build_block_mask(anchors, keep, context_len, block_size).to(device)
     labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block_size, gamma)
     if isinstance(lm_head, VocabSubsetHead):
         labels = lm_head.rows(labels)
@@ -109,10 +120,10 @@ def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor
         row_weights = chosen.float()
     else:
         chosen, row_weights = active, weights
-    with autocast():
+    with autocast(), last_mlp_on_rows(_unwrap(draft), chosen):
         noise = embed_tokens(noise_ids)
         hidden = draft(noise_embedding=noise, target_hidden=features, position_ids=position_ids,
-                       attention_mask=mask).last_hidden_state
+                       attention_mask=mask, **layout).last_hidden_state
         logits = lm_head(hidden[chosen])
     ce = F.cross_entropy(logits.float(), labels[chosen], reduction="none")
     loss = (ce * row_weights[chosen]).sum() / weights.sum().clamp(min=1e-6)
@@ -124,16 +135,43 @@ def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor
     return loss, stats
 
 
+@contextmanager
+def last_mlp_on_rows(draft: DFlashDraftModel, rows: torch.BoolTensor):
+    """Within the block, the drafter's last MLP runs on the block rows ``rows [b, N*B]`` only (zeros elsewhere).
+
+    Only the label rows of the last layer reach the loss; every row of the earlier layers does (as the last
+    layer's keys and values). With ``--sample-positions`` about a quarter of the rows carry a label, and the last
+    MLP is the largest part of the last layer, so this skips ~3/8 of the drafter's MLP work in both passes
+    without changing the loss or its gradients. Hooks, so the drafter's modules and weights stay as they are.
+    """
+    mlp, full_shape = draft.layers[-1].mlp, []
+
+    def take_rows(module, args):
+        full_shape.append(args[0].shape)
+        return (args[0][rows],)
+
+    def put_back(module, args, output):
+        return output.new_zeros(full_shape.pop()).masked_scatter(rows[..., None], output)
+
+    handles = [mlp.register_forward_pre_hook(take_rows), mlp.register_forward_hook(put_back)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def draft_attention(draft) -> str:
     """The drafter's attention implementation (through a DDP wrapper)."""
     return getattr(draft, "module", draft).config._attn_implementation
 
 
 def resolve_attention(choice: str, device: torch.device) -> str:
-    """``auto``: FlexAttention on CUDA (a block mask computed per tile), SDPA with the dense mask elsewhere
-    (FlexAttention has no backward on CPU)."""
+    """``auto``: FlexAttention on CUDA (a block mask computed per tile), `block_sparse_attention_forward` elsewhere
+    (only the seen scores, in plain matmuls: FlexAttention has no backward on CPU, and SDPA computes the whole
+    dense grid)."""
     if choice == "auto":
-        return "flex_attention" if device.type == "cuda" else "sdpa"
+        return "flex_attention" if device.type == "cuda" else BLOCK_SPARSE
     if choice == "flex_attention" and device.type == "cpu":
         raise ValueError("--attn-implementation flex_attention needs a GPU: PyTorch's FlexAttention has no backward "
                          "on CPU; use sdpa (or auto).")

@@ -96,9 +96,21 @@ def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[i
 
 
 def _write_manifest(out_dir: Path, info: dict) -> None:
-    done = sorted(p.name for p in out_dir.glob("shard-*.safetensors"))
-    with atomic_path(out_dir / "manifest.json") as tmp:
-        tmp.write_text(json.dumps({**info, "finished_shards": done}, indent=2))
+    """Write ``manifest.json``: ``info``, the finished shards and their response tokens. Keys that a person added to
+    an existing manifest (how the corpus was made, notes) are kept, so that resuming a committed corpus with the
+    command its manifest names does not erase that record."""
+    from safetensors import safe_open
+
+    path = out_dir / "manifest.json"
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    done = sorted(out_dir.glob("shard-*.safetensors"))
+    tokens = 0
+    for shard in done:
+        with safe_open(shard, "pt") as f:
+            tokens += int(f.get_tensor("loss_mask").sum())
+    manifest = {**kept, **info, "finished_shards": [p.name for p in done], "response_tokens": tokens}
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(manifest, indent=2))
 
 
 def distill(config: DistillConfig) -> dict:

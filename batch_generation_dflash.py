@@ -34,8 +34,11 @@ no remaining row needs) are an eighth of the cache, each row's valid slots are p
 
 Block size: the adaptive `DraftLengthController` of the single-sequence path (`BatchDraftLengthController`: one
 draft per round as a candidate, larger sizes tried one at a time), one block size per round for the whole batch: a
-round's cost is measured in this call, so for this batch size (process CPU time on a CPU target), its acceptance is
-judged on every active row, and it falls back to plain batched decoding when drafting does not pay. No prompt lookup
+round's cost is measured in this call, so for this batch size (wall time, as a ratio to the plain round measured in
+the same stretch; the draft head's one-off matmul timing, `_calibrate_head`, runs before the clock starts), its
+acceptance is judged on every active row, and it falls back to plain batched decoding when drafting does not pay. A
+plain round is a plain batched greedy step (one target forward over the anchors, the feature layers captured for the
+drafter's pending context) and costs the same, so there is no separate hand-over to plain decoding. No prompt lookup
 in the batch path.
 
 The drafter's causal and sliding-window layers get the logical positions of its cached slots

@@ -427,3 +427,59 @@ def test_closing_the_holes_keeps_every_row_equal_to_its_prompt_alone(target, mon
     assert len(widths) > 3
     # every time: no more columns than the longest row's slots plus at most one (pending) block of holes
     assert all(width <= valid + 6 for width, valid, _ in widths)
+
+
+def test_plain_rounds_commit_the_plain_greedy_token_and_keep_the_drafters_context_pending(target, monkeypatch):
+    """Rounds that propose 0 drafts (the controller deciding so, no shadow) commit exactly plain batched greedy's
+    token per row, one per round, without running the drafter; when drafting resumes, its first forward reads every
+    slot written since the prompt (the context kept pending), and every row still equals its prompt alone."""
+    from dflash_hf.batch_generation_dflash import BatchDraftLengthController
+
+    drafter = tiny_drafter(target, block_size=4, adaptive=True)
+    prompts = [random_prompt(140 + i, length) for i, length in enumerate((5, 19, 2))]
+    ids, mask = left_padded(prompts)
+    plain_rounds = 6
+    choices = []
+
+    def choose(self):  # plain for the first rounds, then 3 drafts a round
+        self.shadow = False
+        choices.append(0 if len(choices) < plain_rounds else 3)
+        return choices[-1]
+
+    monkeypatch.setattr(BatchDraftLengthController, "choose", choose)
+    context_read = []
+    hook = drafter.register_forward_pre_hook(
+        lambda m, a, kw: context_read.append(kw["target_hidden"].shape[1]), with_kwargs=True)
+    try:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=drafter)
+    finally:
+        hook.remove()
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False))
+    assert_rows_equal_alone(target, out, ids, prompts, 20)
+    for row in drafter.last_stats.rows:  # each plain round: 0 proposed, exactly 1 token committed
+        assert row.proposed_lengths[:plain_rounds] == [0] * plain_rounds
+        assert row.acceptance_lengths[:plain_rounds] == [1] * plain_rounds
+    # the drafter first ran in round 7 and read the prompt slots plus the 6 plain rounds' anchors at once
+    assert context_read[0] == ids.shape[1] + plain_rounds
+
+
+def test_the_draft_head_is_timed_only_for_drafted_sizes_and_not_again_when_rows_leave(target, monkeypatch):
+    """The draft head's matmul forms are timed (`calibrate_head`) for the head rows a round actually drafts, before
+    the round's clock starts -- never for sizes the call does not draft, and not again for every size whenever a
+    row leaves the batch (that re-timing cost seconds of CPU per finished row on SmolLM2)."""
+    drafter = tiny_drafter(target, block_size=4)  # fixed blocks: 3 drafts, 4 head rows per row
+    prompts = [random_prompt(150 + i, length) for i, length in enumerate((6, 11, 3))]
+    ids, mask = left_padded(prompts)
+    options = dict(pad_token_id=PAD)
+    eos = int(alone(target, prompts[0], 30, **options)[3])
+    options["eos_token_id"] = eos
+    timed, drafted = [], []
+    monkeypatch.setattr(batch_generation_dflash, "calibrate_head", lambda head, rows: timed.append(rows) or False)
+    original = BatchedDFlashLoop._draft
+    monkeypatch.setattr(BatchedDFlashLoop, "_draft",
+                        lambda self, k: drafted.append(self.batch * min(k + 1, 3)) or original(self, k))
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=drafter,
+                          **options)
+    assert_rows_equal_alone(target, out, ids, prompts, 30, **options)
+    assert min(drafted) < max(drafted)  # a row left the batch
+    assert timed == drafted  # once per drafted round, for its own row count, nothing else

@@ -136,6 +136,14 @@ def _dflash_fields(config: dict) -> tuple[int, list[int], int]:
     return tuple(_draft_value(config, name) for name in names)
 
 
+def _draft_vocab_line(config: dict) -> str:
+    vocab = (config.get("dflash_config") or {}).get("draft_vocab")
+    if not vocab:
+        return "all tokens"
+    return (f"{len(vocab):,} tokens (dflash-hf drafts from those rows of the `lm_head` plus the prompt's tokens; "
+            "engines that do not read it draft over all tokens)")
+
+
 def write_model_card(
     draft_dir, target_name: str | None = None, acceptance_table: dict | None = None, draft_name: str | None = None
 ) -> Path:
@@ -167,6 +175,7 @@ def write_model_card(
         num_layers=config["num_hidden_layers"],
         target_layer_ids=layer_ids,
         mask_token_id=mask_id,
+        draft_vocab=_draft_vocab_line(config),
         acceptance_section=acceptance,
     )
     path = draft_dir / "README.md"

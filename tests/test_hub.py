@@ -152,6 +152,7 @@ def test_model_card_fills_base_model_commands_and_acceptance(saved_drafter):
                      "tags": ["dflash", "speculative-decoding"]}
     assert "| gsm8k | 5.12 |" in text and "| mt-bench | 3.50 |" in text
     assert "| Target layer ids (`hidden_states[i + 1]`) | `[1, 2]` |" in text and "| Mask token id | 3 |" in text
+    assert "| Draft vocabulary (`dflash_config.draft_vocab`) | all tokens |" in text
     assert 'AutoModel.from_pretrained("me/qwen3-dflash", trust_remote_code=True' in text
     assert '"method": "dflash", "model": "me/qwen3-dflash", "num_speculative_tokens": 3}' in text
     assert "--attention-backend flash_attn" in text
@@ -373,3 +374,11 @@ def test_card_without_target_is_refused(saved_drafter, capsys):
         main(["card", str(saved_drafter)])
     assert info.value.code == 2 and "--target" in capsys.readouterr().err
     assert not (saved_drafter / "README.md").exists()
+
+
+def test_model_card_names_the_draft_vocabulary(saved_drafter):
+    from dflash_hf.hub import set_draft_vocab
+
+    set_draft_vocab(saved_drafter, [5, 3, 9])
+    text = write_model_card(saved_drafter, "Qwen/Qwen3-8B").read_text()
+    assert "| Draft vocabulary (`dflash_config.draft_vocab`) | 3 tokens (dflash-hf drafts from those rows" in text

@@ -76,23 +76,58 @@ _SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, Min
 
 
 class BatchDraftLengthController(DraftLengthController):
-    """The adaptive block size for a batch: `DraftLengthController` with two changes for a batch whose verify
+    """The adaptive block size for a batch: `DraftLengthController` with these changes for a batch whose verify
     cost grows with batch x block (on this project's AVX2 EPYC in float32, verifying 16 tokens per row costs 2.3x a
     plain step at batch 1, 2.9x at batch 4, 4.3x at batch 8; BENCHMARKS.md, "Batched DFlash"):
 
     * each active row is one judgement of the round's drafts, so a round teaches ``b`` of them: the moving averages
       of the acceptance rates move ``1/b`` as far per judgement, to remember as many rounds as at batch 1 (the fast
       one would otherwise follow the last round's rows only);
-    * one draft per round is a candidate too (the cheapest drafted round, and the first one probed).
+    * one draft per round is a candidate too (the cheapest drafted round, and the first one probed);
+    * **the unit is measured, not guessed.** Every cost is a ratio to the plain round's time, so a unit measured on
+      one round (the first decode step after the prefill, or one a neighbour slowed down) misprices every size for
+      the rest of the call -- and a call that drafts from its third round on never times a plain round again. So the
+      batch drafts only after ``unit_rounds`` plain rounds were timed, and decodes one round plainly after every
+      ``refresh_every`` rounds without one (at most 1/16 of a drafting gain);
+    * **exploration pays for itself.** Drafted rounds are booked at what they realized, in plain rounds: their cost
+      minus the tokens they committed per row (``drafting``; negative when drafting paid: a plain round commits one
+      per row for a cost of one). A drafted round runs only while the drafter's whole bill in this call -- shadow
+      drafts (``explored``, as at batch 1) plus ``drafting`` plus, for a size not measured yet, what the probe
+      loses if no draft is accepted -- stays within the exploration budget (``allowance`` plus ``explore_share`` of
+      the rounds so far). Drafting that pays earns room for more (but not for shadow drafts, which keep their
+      batch-1 budget); drafting that does not -- the first probes at 1, 3 and 7 drafts, rounds drafted on
+      estimates that have not caught up with the text -- costs the call at most the budget plus one round, and the
+      batch decodes plainly until plain rounds have restored it;
+    * drafting has to beat plain decoding by 10 %, not 5 %: wall-clock ratios at batch are noisier, and the mean
+      tokens per row overstate a batch's progress, whose length follows the rows that accepted least.
 
     Sizes are tried one at a time upwards, as at batch 1: a round of 15 drafts at batch 8 costs about four plain steps,
     and is tried only once 7 drafts measured cheap enough that it might pay.
     """
 
+    unit_rounds, refresh_every = 3, 16
+
     def __init__(self, max_drafts: int, batch_size: int):
-        super().__init__(max_drafts)
+        super().__init__(max_drafts, margin=0.1)
         self.batch_size = batch_size
         self.candidates = sorted(set(self.candidates) | ({1} if max_drafts > 1 else set()))
+        self.plain_timed, self.since_plain = 0, 0  # plain rounds timed; rounds since the last plain one
+        self.drafting = 0.0  # what drafted rounds cost beyond what they committed, in plain rounds
+
+    def affordable(self, num_drafts: int) -> bool:
+        """Whether the exploration budget has room for a round of ``num_drafts`` drafts: for a size not measured yet
+        (a probe), its estimated cost beyond a plain round, what it loses if no draft is accepted; for a measured
+        size chosen because it pays, nothing (its booking stops it after the fact if it does not)."""
+        risk = 0.0 if num_drafts in self.cost else self.estimated_cost(num_drafts) - 1.0
+        return self.explored + self.drafting + risk <= self.allowance + self.explore_share * self.rounds
+
+    def choose(self) -> int:
+        wanted = super().choose()
+        if wanted and (self.plain_timed < self.unit_rounds or self.since_plain >= self.refresh_every
+                       or not self.affordable(wanted)):
+            wanted = 0  # plain, not a shadow (`DraftLengthController.choose` sets `shadow` only for plain rounds)
+        self.since_plain = 0 if wanted == 0 and not self.shadow else self.since_plain + 1
+        return wanted
 
     def record_acceptance(self, judged: int, accepted: int) -> None:
         rates = self.rates  # the round costs keep their own pace (one per round)
@@ -101,6 +136,21 @@ class BatchDraftLengthController(DraftLengthController):
             super().record_acceptance(judged, accepted)
         finally:
             self.rates = rates
+
+    def record_round(self, proposed: int, shadow: bool, seconds: float, committed: float, typical: bool) -> None:
+        """A round that proposed ``proposed`` drafts (a ``shadow`` round: none, but the drafter ran) took ``seconds``
+        and committed ``committed`` tokens per active row: book a shadow round in ``explored``, a drafted one in
+        ``drafting`` (at no more than twice its size's estimated cost, as in `moving_cost`: a stall is not the
+        drafter's doing); time its size when ``typical`` (its drafter forward, if any, read no more than a block of
+        new context)."""
+        if shadow:
+            self.record_shadow_cost(seconds, typical)
+            return
+        if proposed and self.step_seconds:
+            self.drafting += min(seconds / self.step_seconds, 2 * self.estimated_cost(proposed)) - committed
+        if typical:
+            self.record_cost(proposed, seconds)
+            self.plain_timed += proposed == 0
 
 
 class DFlashBatchStats(DFlashStats):
@@ -291,7 +341,7 @@ class BatchedDFlashLoop:
         limits = torch.clamp(torch.clamp(budget - 1, min=0), max=wanted) * active  # drafts per row: [b]
         num_drafts = int(limits.max())
         fed = sum(features.shape[1] for features, _, _ in self.pending)
-        typical = not shadow and (num_drafts == 0 or fed <= self.block_size)
+        typical = num_drafts == 0 and not shadow or fed <= self.block_size
         drafts = draft_logits = None
         runs_drafter = num_drafts > 0 or shadow
         if runs_drafter:
@@ -309,8 +359,8 @@ class BatchedDFlashLoop:
             self.stats.record_row(int(self.row_ids[row]), int(limits[row]), int(kept[row]))
         if self.controller is not None:
             self._teach_controller(drafts, committed, accepted, limits, active)
-            if typical:
-                self.controller.record_cost(num_drafts, time.perf_counter() - started)
+            per_row = float(kept[active].float().mean()) if bool(active.any()) else 1.0
+            self.controller.record_round(num_drafts, shadow, time.perf_counter() - started, per_row, typical)
 
     def _close_holes(self, min_dead: int = 16) -> None:
         """Pack every row's valid slots together once dead slots (holes, and left padding no remaining row needs)

@@ -1,0 +1,94 @@
+"""What the batched controller chooses, round by round, and what those rounds cost: batched DFlash on held-out GSM8K
+(gsm8k@1000), interleaved with plain batched greedy on the same batch. Per call: process CPU seconds of both, the
+rounds by kind (plain / shadow / drafted with k drafts) with their median CPU cost as a multiple of the call's median
+plain round at the same batch size, what the controller believed a round of that kind costs, and tau.
+
+    taskset -c 0 .venv/bin/python scripts/batch_policy_trace.py BATCH NEW_TOKENS REPEATS [old]   # e.g. 8 64 2
+
+With ``old``, a third method runs the policy before the exploration ledger (commit 82c483e: the base
+`DraftLengthController.choose`, shadows untimed, no unit warm-up), interleaved with the other two.
+"""
+import collections, statistics, sys, time
+import torch
+torch.set_num_threads(1)
+from dflash_hf.loading import load_drafter, load_target
+from dflash_hf.bench_cli import load_bench_prompts
+from dflash_hf.bench import left_pad
+import dflash_hf.batch_generation_dflash as bg
+
+B, NEW, REPS = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+target, tok = load_target(None, "float32")
+drafter = load_drafter(None, target, "float32", tok)
+prompts = load_bench_prompts(tok, ["gsm8k@1000"], B)
+ids, mask = left_pad([p.input_ids for p in prompts], tok.pad_token_id)
+rounds = []
+real_round = bg.BatchedDFlashLoop._round
+
+
+def traced_round(self):
+    controller = self.controller
+    cpu = time.process_time()
+    real_round(self)
+    k = controller.last_choice
+    kind = "s" if controller.shadow else k
+    rounds.append((kind, self.batch, time.process_time() - cpu, controller.estimated_cost(k) if k else 1.0))
+
+
+real_choose = bg.BatchDraftLengthController.choose
+
+
+def traced_choose(self):
+    self.last_choice = real_choose(self)
+    return self.last_choice
+
+
+bg.BatchedDFlashLoop._round = traced_round
+bg.BatchDraftLengthController.choose = traced_choose
+NewController = bg.BatchDraftLengthController
+
+
+class OldController(NewController):
+    def choose(self):
+        self.last_choice = bg.DraftLengthController.choose(self)
+        return self.last_choice
+
+    def record_round(self, proposed, shadow, seconds, committed, typical):
+        if not shadow and typical:
+            self.record_cost(proposed, seconds)
+
+
+opts = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id)
+with torch.no_grad():
+    for kw in ({}, dict(assistant_model=drafter)):
+        target.generate(ids, attention_mask=mask, **dict(opts, max_new_tokens=4), **kw)
+cpu = collections.defaultdict(list)
+methods = ["greedy", "dflash"] + (["old"] if sys.argv[4:] == ["old"] else [])
+for rep in range(REPS):
+    for name in methods[rep % len(methods):] + methods[:rep % len(methods)]:
+        rounds.clear()
+        bg.BatchDraftLengthController = OldController if name == "old" else NewController
+        start = time.process_time()
+        with torch.no_grad():
+            target.generate(ids, attention_mask=mask, **opts, **({} if name == "greedy" else dict(assistant_model=drafter)))
+        cpu[name].append(time.process_time() - start)
+        if name == "greedy":
+            continue
+        plain = collections.defaultdict(list)
+        for kind, b, seconds, _ in rounds:
+            if kind == 0:
+                plain[b].append(seconds)
+        unit = {b: statistics.median(v) for b, v in plain.items()}
+        kinds = collections.defaultdict(list)
+        for kind, b, seconds, believed in rounds:
+            if b in unit:
+                kinds[kind].append((seconds / unit[b], believed))
+        summary = "  ".join(
+            f"{kind}: {len(v)} rounds, cost {statistics.median(c for c, _ in v):.2f} (believed {statistics.median(b for _, b in v):.2f})"
+            for kind, v in sorted(kinds.items(), key=lambda item: str(item[0])))
+        print(f"rep {rep} {name}: tau {drafter.last_stats.mean_acceptance_length:.2f}, {len(rounds)} rounds: {summary}")
+        print("  sequence:", "".join("s" if kind == "s" else str(kind) if kind < 10 else "F" for kind, *_ in rounds))
+    print(f"rep {rep}: " + ", ".join(f"{m} {cpu[m][-1]:.2f}" for m in methods) + " s CPU", flush=True)
+g = statistics.median(cpu["greedy"])
+for m in methods[1:]:
+    d = statistics.median(cpu[m])
+    print(f"median: greedy {g:.2f}, {m} {d:.2f} s CPU -> {m}/greedy {g / d:.3f}x")

@@ -1,12 +1,14 @@
 """What the batched controller chooses, round by round, and what those rounds cost: batched DFlash on held-out GSM8K
 (gsm8k@1000), interleaved with plain batched greedy on the same batch. Per call: process CPU seconds of both, the
 rounds by kind (plain / shadow / drafted with k drafts) with their median CPU cost as a multiple of the call's median
-plain round at the same batch size, what the controller believed a round of that kind costs, and tau.
+plain round at the same batch size, what the controller believed a round of that kind costs, and tau; and the call in
+plain-round units (each round's CPU time over that median), against the NEW_TOKENS steps of plain batched greedy: an
+estimate of the speed ratio that a busy core distorts less than the CPU-time ratio of two calls.
 
-    taskset -c 0 .venv/bin/python scripts/batch_policy_trace.py BATCH NEW_TOKENS REPEATS [old]   # e.g. 8 64 2
+    taskset -c 0 .venv/bin/python scripts/batch_policy_trace.py BATCH NEW_TOKENS REPEATS [old] [margin10]   # e.g. 8 64 2
 
-With ``old``, a third method runs the policy before the exploration ledger (commit 82c483e: the base
-`DraftLengthController.choose`, shadows untimed, no unit warm-up), interleaved with the other two.
+Extra methods, interleaved with the others: ``old`` runs the policy before the exploration ledger (commit 82c483e:
+the base `DraftLengthController.choose`, no unit warm-up); ``margin10`` the current one with a margin of 10 %.
 """
 import collections, statistics, sys, time
 import torch
@@ -47,6 +49,12 @@ bg.BatchDraftLengthController.choose = traced_choose
 NewController = bg.BatchDraftLengthController
 
 
+class Margin10Controller(NewController):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.margin = 0.1
+
+
 class OldController(NewController):
     def choose(self):
         self.last_choice = bg.DraftLengthController.choose(self)
@@ -62,11 +70,12 @@ with torch.no_grad():
     for kw in ({}, dict(assistant_model=drafter)):
         target.generate(ids, attention_mask=mask, **dict(opts, max_new_tokens=4), **kw)
 cpu = collections.defaultdict(list)
-methods = ["greedy", "dflash"] + (["old"] if sys.argv[4:] == ["old"] else [])
+methods = ["greedy", "dflash"] + sys.argv[4:]
+controllers = {"old": OldController, "margin10": Margin10Controller}
 for rep in range(REPS):
     for name in methods[rep % len(methods):] + methods[:rep % len(methods)]:
         rounds.clear()
-        bg.BatchDraftLengthController = OldController if name == "old" else NewController
+        bg.BatchDraftLengthController = controllers.get(name, NewController)
         start = time.process_time()
         with torch.no_grad():
             target.generate(ids, attention_mask=mask, **opts, **({} if name == "greedy" else dict(assistant_model=drafter)))
@@ -85,7 +94,9 @@ for rep in range(REPS):
         summary = "  ".join(
             f"{kind}: {len(v)} rounds, cost {statistics.median(c for c, _ in v):.2f} (believed {statistics.median(b for _, b in v):.2f})"
             for kind, v in sorted(kinds.items(), key=lambda item: str(item[0])))
-        print(f"rep {rep} {name}: tau {drafter.last_stats.mean_acceptance_length:.2f}, {len(rounds)} rounds: {summary}")
+        units = sum(seconds / unit[b] for _, b, seconds, _ in rounds if b in unit)
+        print(f"rep {rep} {name}: tau {drafter.last_stats.mean_acceptance_length:.2f}, {len(rounds)} rounds, "
+              f"{units:.1f} plain-round units (greedy: {NEW} steps -> {NEW / units:.3f}x): {summary}")
         print("  sequence:", "".join("s" if kind == "s" else str(kind) if kind < 10 else "F" for kind, *_ in rounds))
     print(f"rep {rep}: " + ", ".join(f"{m} {cpu[m][-1]:.2f}" for m in methods) + " s CPU", flush=True)
 g = statistics.median(cpu["greedy"])

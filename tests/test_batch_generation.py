@@ -401,6 +401,66 @@ def test_batch_controller_climbs_one_size_at_a_time_and_averages_per_round():
     assert controller.acceptance[0][0] < 0.5
 
 
+# Batch-8 round costs in plain rounds, shaped like the measured fp32 curve (scripts/batch_policy_trace.py): one draft
+# already costs 1.8 plain rounds, so a drafter accepting 0.6 per position loses (E[3] = 2.18 tokens for 2.4).
+BATCH8_COSTS = {0: 1.0, 1: 1.8, 3: 2.4, 7: 3.4, 15: 5.0}
+
+
+def drive_batch_controller(acceptance, first_plain_seconds=1.0, rounds=64, batch=8, seed=0):
+    """Drive `BatchDraftLengthController` as `BatchedDFlashLoop._round` does, with `BATCH8_COSTS` (seconds = plain
+    rounds; a shadow round costs a plain round plus 0.3, the first one reads the prompts: 0.7) and every row accepting
+    each draft with probability ``acceptance``; the first plain round takes ``first_plain_seconds`` (the first decode
+    step after the prefill, or one a neighbour slowed down). Returns the choices and what the drafter cost the call
+    beyond plain decoding, in plain rounds (negative: it paid)."""
+    from dflash_hf.batch_generation_dflash import BatchDraftLengthController
+
+    controller = BatchDraftLengthController(15, batch_size=batch)
+    generator = torch.Generator().manual_seed(seed)
+    choices, bill, first_plain = [], 0.0, True
+    for index in range(rounds):
+        k = controller.choose()
+        shadow = controller.shadow
+        drafted = min(k + 1, 15) if k or shadow else 0
+        committed = []
+        for _ in range(batch):
+            hits = 0
+            while hits < drafted and torch.rand(1, generator=generator).item() < acceptance:
+                hits += 1
+            if drafted:
+                judged = min(min(hits, k) + 1, drafted)
+                controller.record_acceptance(judged, min(hits, judged))
+            committed.append(min(hits, k) + 1)
+        cost = 1.0 + (0.7 if index == 0 else 0.3) if shadow else BATCH8_COSTS[k]
+        seconds = first_plain_seconds if k == 0 and not shadow and first_plain else cost
+        first_plain = first_plain and (k or shadow)
+        per_row = sum(committed) / batch
+        controller.record_round(k, shadow, seconds, per_row, typical=index > 0)
+        bill += cost - per_row
+        choices.append("s" if shadow else k)
+    return choices, bill
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_batch_exploration_is_bounded_when_drafting_cannot_pay(seed):
+    """A drafter that cannot pay at this batch size, and a unit (plain round) first timed 40 % slow, which makes every
+    size look cheaper: the probes and the drafted rounds cost the call at most the exploration budget (1 plain round
+    plus 1.5 % of the rounds) plus one round. (The policy before the exploration ledger drafted such calls to the end:
+    12-19 plain rounds lost out of 64 in four of these five seeds.)"""
+    choices, bill = drive_batch_controller(acceptance=0.6, first_plain_seconds=1.4, seed=seed)
+    assert bill <= 1.0 + 0.015 * len(choices) + (BATCH8_COSTS[7] - 1.0)
+    assert sum(k not in (0, "s") for k in choices) <= 4
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_drafting_that_pays_earns_its_own_room(seed):
+    """A drafter that pays (0.85 per position: E[7] = 4.5 tokens for 3.4 plain rounds) drafts most rounds of the call
+    once its probes have paid, with long blocks, and gains most of what it can."""
+    choices, bill = drive_batch_controller(acceptance=0.85, seed=seed)
+    assert sum(k not in (0, "s") for k in choices) >= len(choices) // 2
+    assert choices[-20:].count(7) + choices[-20:].count(15) >= 15
+    assert bill < -40  # plain rounds saved
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_closing_the_holes_keeps_every_row_equal_to_its_prompt_alone(target, monkeypatch, attn):
     """Packing each row's valid slots (`_close_holes`, here after every round with a hole) while rows accept 0, some

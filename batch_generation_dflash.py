@@ -88,7 +88,7 @@ class BatchDraftLengthController(DraftLengthController):
     * **the unit is measured, not guessed.** Every cost is a ratio to the plain round's time, so a unit measured on
       one round (the first decode step after the prefill, or one a neighbour slowed down) misprices every size for
       the rest of the call -- and a call that drafts from its third round on never times a plain round again. So the
-      batch drafts only after ``unit_rounds`` plain rounds were timed (the unit starts at the fastest of them), and
+      batch drafts only after ``unit_rounds`` plain rounds were timed (the unit starts at their median), and
       decodes one round plainly after every ``refresh_every`` rounds without one (at most 1/16 of a drafting gain);
     * **exploration pays for itself.** Drafted rounds are booked at what they realized, in plain rounds: their cost
       minus the tokens they committed per row (``drafting``; negative when drafting paid: a plain round commits one
@@ -112,7 +112,7 @@ class BatchDraftLengthController(DraftLengthController):
         self.candidates = sorted(set(self.candidates) | ({1} if max_drafts > 1 else set()))
         self.plain_timed, self.since_plain = 0, 0  # plain rounds timed; rounds since the last plain one
         self.drafting = 0.0  # what drafted rounds cost beyond what they committed, in plain rounds
-        self.fastest_plain = float("inf")
+        self.first_plain: list[float] = []  # the first `unit_rounds` plain rounds' seconds
 
     def affordable(self, num_drafts: int) -> bool:
         """Whether the exploration budget has room for a round of ``num_drafts`` drafts: for a size not measured yet
@@ -150,9 +150,9 @@ class BatchDraftLengthController(DraftLengthController):
             self.record_cost(proposed, seconds)
         if proposed == 0:
             self.plain_timed += 1
-            if self.plain_timed <= self.unit_rounds:  # the unit starts at the fastest plain round: delays only add
-                self.fastest_plain = min(self.fastest_plain, seconds)
-                self.step_seconds = self.fastest_plain
+            if self.plain_timed <= self.unit_rounds:  # the unit starts at their median: one slow round is left out
+                self.first_plain.append(seconds)
+                self.step_seconds = sorted(self.first_plain)[(len(self.first_plain) - 1) // 2]
 
 
 class DFlashBatchStats(DFlashStats):

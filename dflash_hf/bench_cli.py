@@ -85,27 +85,34 @@ def run_bench(args) -> None:
     print("\n".join(f"{kind}: {path}" for kind, path in paths.items()))
 
 
-def load_bench_prompts(tokenizer, datasets, limit, chat=True):
-    """``limit`` prompts of each dataset, encoded with `dflash_hf.assets.encode_chat`.
+def dataset_records(datasets, limit) -> list[tuple[str, dict]]:
+    """``limit`` prompt records (``{"id", "turns"}``) of each dataset, as ``(dataset name, record)`` pairs.
 
     ``name@start`` skips the first ``start`` prompts of a dataset (``gsm8k@1000``: prompts the shipped drafter was
     not trained on).
     """
-    from .assets import encode_chat, load_prompts
-    from .bench import BenchPrompt
+    from .assets import load_prompts
 
-    prompts = []
+    records = []
     for spec in datasets:
         name, _, start = spec.partition("@")
         if start and not start.isdigit():
             raise DFlashUserError(f"--datasets entry {spec!r}: expected NAME or NAME@START with START a number")
         first = int(start or 0)
-        records = load_prompts(name, first + limit)[first:]
-        if not records:
+        found = load_prompts(name, first + limit)[first:]
+        if not found:
             raise DFlashUserError(f"--datasets entry {spec!r}: {name} has no prompts from index {first}")
-        prompts += [BenchPrompt(name, str(r["id"]), encode_chat(tokenizer, r["turns"], chat=chat)["input_ids"])
-                    for r in records]
-    return prompts
+        records += [(name, record) for record in found]
+    return records
+
+
+def load_bench_prompts(tokenizer, datasets, limit, chat=True):
+    """`dataset_records`, encoded with `dflash_hf.assets.encode_chat` into `BenchPrompt`s."""
+    from .assets import encode_chat
+    from .bench import BenchPrompt
+
+    return [BenchPrompt(name, str(r["id"]), encode_chat(tokenizer, r["turns"], chat=chat)["input_ids"])
+            for name, r in dataset_records(datasets, limit)]
 
 
 def run_batch_bench(args, target, tokenizer, drafter, prompts, block_size) -> None:

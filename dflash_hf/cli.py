@@ -50,7 +50,10 @@ def _add_generate_parser(subparsers) -> None:
         description="Stream an answer as the target commits it, then print tokens/s, the mean acceptance length "
         "(tau) and the acceptance histogram. Greedy unless --temperature > 0.",
     )
-    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="the prompt (default: a GSM8K question)")
+    p.add_argument("prompt", nargs="?", help="the prompt (default: a GSM8K question)")
+    p.add_argument("--held-out", action="store_true",
+                   help="instead of PROMPT, run the first held-out prompt of each bench set (GSM8K from 1000, "
+                   "HumanEval, MT-Bench: math, code, chat; what the demo runs) and sum up with --compare")
     p.add_argument("--target", default="default", help="target model folder, or 'default' (SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="default", help="drafter folder, 'default' (shipped drafter) or 'none'")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -69,6 +72,9 @@ def _add_generate_parser(subparsers) -> None:
 def _run_generate(args) -> None:
     from .demo import run_generate
 
+    if args.held_out and args.prompt is not None:
+        raise DFlashUserError("pass a PROMPT or --held-out, not both")
+    args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if not args.prompt.strip():
         raise DFlashUserError("the prompt is empty: pass some text, e.g. dflash-hf generate 'What is 2+2?'")
     if not args.temperature >= 0:  # also refuses nan

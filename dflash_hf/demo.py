@@ -25,8 +25,17 @@ def _timed_generate(target, inputs, streamer=None, **options):
     return out, time.perf_counter() - start
 
 
+def held_out_prompts() -> list[tuple[str, str]]:
+    """``(id, text)`` of the first prompt of each held-out bench set (`bench_cli.DATASETS`: GSM8K from 1000,
+    HumanEval, MT-Bench): math, code and chat that no drafter shipped here was trained on. A fixed rule, not a pick."""
+    from .bench_cli import DATASETS, dataset_records
+
+    return [(str(record["id"]), record["turns"][0]) for _, record in dataset_records(DATASETS, 1)]
+
+
 def run_generate(args) -> None:
     torch.set_num_threads(args.threads)
+    prompts = held_out_prompts() if args.held_out else [(None, args.prompt)]
     dtype, why = resolve_dtype(args.dtype)
     print(f"dtype: {dtype} ({why})")
     target, tokenizer = load_target(args.target, dtype)
@@ -34,10 +43,18 @@ def run_generate(args) -> None:
     if drafter is None:
         print("No drafter: the default drafter for this target is not shipped yet (pass --draft DIR); "
               "running plain generation.")
-    inputs = encode_chat(tokenizer, args.prompt, chat=args.chat)
+    results = [generate_one(args, target, tokenizer, drafter, text, label) for label, text in prompts]
+    if len(results) > 1 and args.compare and drafter is not None:
+        print(summarize(results))
+
+
+def generate_one(args, target, tokenizer, drafter, text: str, label: str | None = None) -> dict | None:
+    """Stream one answer with DFlash and print its speed and acceptance; with ``--compare``, time it against plain
+    decoding (`compare`) and return that comparison."""
+    inputs = encode_chat(tokenizer, text, chat=args.chat)
     options = dict(max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.eos_token_id)
     options |= sampling_options(args.temperature)
-    print(f"prompt: {args.prompt}\n")
+    print(f"prompt{f' ({label})' if label else ''}: {text}\n")
 
     if args.compare and drafter is not None:  # warm-up: first calls pay for kernel selection and allocations
         warm = options | dict(max_new_tokens=min(16, args.max_new_tokens))
@@ -50,20 +67,35 @@ def run_generate(args) -> None:
     out, seconds = _timed_generate(target, inputs, streamer, **dflash_options)
     new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
     print(f"\n{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s")
-    if drafter is not None:
-        stats = drafter.last_stats
-        print(f"mean acceptance length (tau): {stats.mean_acceptance_length:.2f} over {stats.num_rounds} rounds")
-        print("acceptance histogram (tokens committed per round: rounds): "
-              + ", ".join(f"{n}: {c}" for n, c in enumerate(stats.histogram) if c))
-    if args.compare and drafter is not None:
-        compare(target, tokenizer, inputs, options, drafter, out, runs=args.compare_runs, seed=args.seed)
+    if drafter is None:
+        return None
+    stats = drafter.last_stats
+    print(f"mean acceptance length (tau): {stats.mean_acceptance_length:.2f} over {stats.num_rounds} rounds")
+    print("acceptance histogram (tokens committed per round: rounds): "
+          + ", ".join(f"{n}: {c}" for n, c in enumerate(stats.histogram) if c))
+    if not args.compare:
+        return None
+    result = compare(target, tokenizer, inputs, options, drafter, out, runs=args.compare_runs, seed=args.seed)
+    print()
+    return result | {"label": label}
+
+
+def summarize(results: list[dict]) -> str:
+    """One line over several compared prompts: the speedup on the time both paths take for all the answers (each
+    answer's tokens at each path's median tokens/s), the per-prompt speedups, and how many outputs were identical."""
+    plain = sum(r["new_tokens"] / r["plain_tokens_per_s"] for r in results)
+    dflash = sum(r["new_tokens"] / r["dflash_tokens_per_s"] for r in results)
+    each = ", ".join(f"{r['label']} {r['dflash_tokens_per_s'] / r['plain_tokens_per_s']:.2f}x" for r in results)
+    same = sum(r["first_difference"] is None for r in results)
+    return (f"over {len(results)} held-out prompts: speedup {plain / dflash:.2f}x on the total time ({each}); "
+            f"identical outputs: {same} of {len(results)}")
 
 
 def compare(target, tokenizer, inputs, options: dict, drafter, dflash_out, runs: int = 2, seed: int = 0) -> dict:
     """Time plain decoding and DFlash interleaved (``runs`` each, after the streamed run), print medians and whether
     the outputs are identical; explain a greedy parting with the float32 logit gap. Sampled runs of both paths use
     the same seed (the outputs then differ by design: the drafter changes how random numbers are consumed)."""
-    plain_times, dflash_times, plain = [], [], None
+    plain_times, dflash_times, plain = [], [], None  # tokens/s of each run
     for _ in range(runs):
         for name, extra, times in (("plain", {}, plain_times), ("dflash", {"assistant_model": drafter}, dflash_times)):
             torch.manual_seed(seed)
@@ -83,7 +115,8 @@ def compare(target, tokenizer, inputs, options: dict, drafter, dflash_out, runs:
         print("identical outputs: True")
     else:
         print(explain_parting(target, tokenizer, dflash_out, plain, prompt_len, position))
-    return {"plain_tokens_per_s": plain_rate, "dflash_tokens_per_s": dflash_rate, "first_difference": position}
+    return {"plain_tokens_per_s": plain_rate, "dflash_tokens_per_s": dflash_rate,
+            "new_tokens": plain.shape[1] - prompt_len, "first_difference": position}
 
 
 def explain_parting(target, tokenizer, dflash_out, plain, prompt_len: int, position: int) -> str:

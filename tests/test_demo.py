@@ -22,6 +22,35 @@ def test_compare_in_float32_reports_identical_outputs_and_medians(tmp_path, caps
     assert "identical outputs: True" in out
 
 
+def test_held_out_demo_runs_the_first_prompt_of_each_held_out_set_and_sums_up(tmp_path, monkeypatch, capsys):
+    from dflash_hf import assets
+
+    asked = []
+
+    def prompts(name, limit=None):
+        asked.append((name, limit))
+        return [{"id": f"{name}/{i}", "turns": [f"Question {i} of {name}."]} for i in range(limit)]
+
+    monkeypatch.setattr(assets, "load_prompts", prompts)
+    target_dir = save_chat_target(tmp_path / "target")
+    tiny_drafter(AutoModelForCausalLM.from_pretrained(target_dir), block_size=4).save_pretrained(tmp_path / "draft")
+    argv = ["generate", "--held-out", "--target", str(target_dir), "--draft", str(tmp_path / "draft"),
+            "--max-new-tokens", "12", "--dtype", "float32", "--compare", "--compare-runs", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert asked == [("gsm8k", 1001), ("humaneval", 1), ("mtbench", 1)]  # GSM8K 0-999 trained the drafter
+    assert "prompt (gsm8k/1000): Question 1000 of gsm8k." in out and "prompt (mtbench/0): Question 0" in out
+    assert out.count("speedup") == 4 and out.count("identical outputs: True") == 3
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("over 3 held-out prompts: speedup ") and summary.endswith("identical outputs: 3 of 3")
+    assert "gsm8k/1000 " in summary and "HumanEval" not in summary and "humaneval/0 " in summary
+
+
+def test_held_out_and_a_prompt_are_refused_together(capsys):
+    assert main(["generate", "hi", "--held-out"]) == 1
+    assert "pass a PROMPT or --held-out, not both" in capsys.readouterr().err
+
+
 def test_parting_is_explained_with_the_float32_gap(tmp_path):
     target_dir = save_chat_target(tmp_path / "target")
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

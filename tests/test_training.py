@@ -657,16 +657,23 @@ def test_distill_with_a_drafter_writes_the_plain_paths_tokens(work, tmp_path):
 
 def test_time_schedule_follows_whichever_of_steps_and_time_runs_out_first():
     """``--schedule time``: the step schedule's warm-up and cosine over max(step / steps, elapsed / budget)."""
-    clock = RunClock()  # microseconds elapse while this runs: nothing next to a budget of 100 s
-    by_time = budget_cosine_lambda(1000, 100.0, clock, warmup_ratio=0.04, min_ratio=0.1)
+    elapsed = [0.0]  # a stopped clock: the real one ticks on a loaded machine (0.5013 against 0.5 once)
+    by_time = budget_cosine_lambda(1000, 100.0, lambda: elapsed[0], warmup_ratio=0.04, min_ratio=0.1)
     by_steps = cosine_lambda(1000, 40, 0.1)
     assert [by_time(s) for s in (100, 500, 999)] == pytest.approx([by_steps(s) for s in (100, 500, 999)])
-    clock.offset = 50.0  # half the time gone at step 10: the time decides, the cosine is half way
-    assert by_time(10) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (0.5 - 0.04) / 0.96)), rel=1e-3)
-    clock.offset = 150.0  # past the budget: the floor
-    assert by_time(10) == pytest.approx(0.1, rel=1e-3)
-    clock.offset = 2.0  # in the warm-up by time
-    assert by_time(1) == pytest.approx(0.02 / 0.04, rel=1e-3)
+    elapsed[0] = 50.0  # half the time gone at step 10: the time decides, the cosine is half way
+    assert by_time(10) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (0.5 - 0.04) / 0.96)))
+    elapsed[0] = 150.0  # past the budget: the floor
+    assert by_time(10) == pytest.approx(0.1)
+    elapsed[0] = 2.0  # in the warm-up by time
+    assert by_time(1) == pytest.approx(0.02 / 0.04)
+
+
+def test_run_clock_adds_the_time_a_resumed_run_had_used():
+    clock = RunClock(offset=30.0)
+    assert 30.0 <= clock() < 40.0
+    clock.restart()
+    assert 30.0 <= clock() < 40.0
 
 
 def test_time_schedule_needs_a_time_budget(work, tmp_path):

@@ -343,7 +343,7 @@ class BatchedDFlashLoop:
         limits = torch.clamp(torch.clamp(budget - 1, min=0), max=wanted) * active  # drafts per row: [b]
         num_drafts = int(limits.max())
         fed = sum(features.shape[1] for features, _, _ in self.pending)
-        typical = num_drafts == 0 and not shadow or fed <= self.block_size
+        typical = not shadow and (num_drafts == 0 or fed <= self.block_size)
         drafts = draft_logits = None
         runs_drafter = num_drafts > 0 or shadow
         if runs_drafter:

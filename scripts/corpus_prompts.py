@@ -3,9 +3,11 @@
     python scripts/corpus_prompts.py OUT_DIR
 
 * ``sharegpt.jsonl``: ShareGPT first turns among entries 0-9999 with 20-1200 characters, sorted by length (the
-  corpus in ``dflash_hf/corpora/*/sharegpt`` holds the answers to the first 1,728);
-* ``code.jsonl``: the code requests among the rest of them (ASCII, a programming word or code in the turn), in the
-  same order (``corpora/*/code``);
+  corpus in ``dflash_hf/corpora/*/sharegpt`` holds the answers to the first 2,016);
+* ``code.jsonl``: the code requests among the prompts after the first 1,728 (ASCII, a programming word or code in the
+  turn), in the same order (``corpora/*/code``). The cut stays at 1,728, where the ShareGPT corpus stood when the
+  code corpus began, so that the file resumes the committed one; 54 of code prompts 0-191 are also ShareGPT prompts
+  1,728-2,015, whose answers are therefore in both corpora;
 * ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``);
 * ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to the first 96).
 
@@ -18,7 +20,7 @@ import sys
 from pathlib import Path
 
 DATASETS = Path.home() / ".cache" / "dflash-hf" / "datasets"
-SHAREGPT_USED = 1728  # prompts of sharegpt.jsonl answered in the committed ShareGPT corpus
+SHAREGPT_USED = 1728  # prompts of sharegpt.jsonl answered in the ShareGPT corpus when the code corpus began
 CODE_WORDS = re.compile(
     r"\b(python|javascript|typescript|java|c\+\+|c#|sql|html|css|react|node|function|code|script|regex|bash|api|"
     r"json|class|golang|rust|php|django|flask|pandas|numpy)\b|```|def |import ",

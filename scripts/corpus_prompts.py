@@ -3,11 +3,11 @@
     python scripts/corpus_prompts.py OUT_DIR
 
 * ``sharegpt.jsonl``: ShareGPT first turns among entries 0-9999 with 20-1200 characters, sorted by length (the
-  corpus in ``dflash_hf/corpora/*/sharegpt`` holds the answers to the first 2,400);
+  corpus in ``dflash_hf/corpora/*/sharegpt`` holds the answers to the first 2,592);
 * ``code.jsonl``: the code requests among the prompts after the first 1,728 (ASCII, a programming word or code in the
   turn), in the same order (``corpora/*/code``). The cut stays at 1,728, where the ShareGPT corpus stood when the
-  code corpus began, so that the file resumes the committed one; 127 of code prompts 0-191 are also ShareGPT
-  prompts 1,728-2,399, whose answers are therefore in both corpora;
+  code corpus began, so that the file resumes the committed one; 150 of code prompts 0-191 are also ShareGPT
+  prompts 1,728-2,591, whose answers are therefore in both corpora;
 * ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``);
 * ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to the first 96).
 

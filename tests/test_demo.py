@@ -45,6 +45,10 @@ def test_held_out_demo_runs_the_first_prompt_of_each_held_out_set_and_sums_up(tm
     assert summary.startswith("over 3 held-out prompts: speedup ") and summary.endswith("identical outputs: 3 of 3")
     assert "gsm8k/1000 " in summary and "HumanEval" not in summary and "humaneval/0 " in summary
 
+    assert main(argv + ["--temperature", "0.8"]) == 0  # sampled texts differ by design: no identity count
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("over 3 held-out prompts: speedup ") and "identical" not in summary
+
 
 def test_held_out_and_a_prompt_are_refused_together(capsys):
     assert main(["generate", "hi", "--held-out"]) == 1

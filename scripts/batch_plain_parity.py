@@ -6,16 +6,11 @@ answers 0 drafts, no shadow rounds). Process CPU and wall seconds per run, media
 """
 import statistics, sys, time, collections
 import torch
-torch.set_num_threads(1)
-from dflash_hf.loading import load_drafter, load_target
-from dflash_hf.bench_cli import load_bench_prompts
-from dflash_hf.bench import left_pad
+from batch_setup import held_out_batch, load_models
 import dflash_hf.batch_generation_dflash as bg
 B, NEW, REPS = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-target, tok = load_target(None, "float32")
-drafter = load_drafter(None, target, "float32", tok)
-prompts = load_bench_prompts(tok, ["gsm8k@1000"], B)
-ids, mask = left_pad([p.input_ids for p in prompts], tok.pad_token_id)
+target, tok, drafter = load_models()
+ids, mask = held_out_batch(tok, B)
 phase = collections.defaultdict(float)
 def wrap(name):
     orig = getattr(bg.BatchedDFlashLoop, name)

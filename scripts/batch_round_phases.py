@@ -4,13 +4,9 @@ rounds of a 32-token call after one warm call), against a plain batched greedy s
     taskset -c 0 .venv/bin/python scripts/batch_round_phases.py 4,8 0,1,3      # batch sizes, then k values
 """
 import sys, time, statistics, collections, torch
-torch.set_num_threads(1)
-from dflash_hf.loading import load_drafter, load_target
-from dflash_hf.bench_cli import load_bench_prompts
-from dflash_hf.bench import left_pad
+from batch_setup import held_out_batch, load_models
 import dflash_hf.batch_generation_dflash as bg
-target, tok = load_target(None, "float32")
-drafter = load_drafter(None, target, "float32", tok)
+target, tok, drafter = load_models()
 NEW = 32
 cur = collections.defaultdict(float)
 def wrap(obj, name, key, cls=True):
@@ -33,8 +29,7 @@ def rnd(self):
 bg.BatchedDFlashLoop._round = rnd
 # greedy step: time model forward calls during plain generate
 for B in [int(x) for x in sys.argv[1].split(",")]:
-    prompts = load_bench_prompts(tok, ["gsm8k@1000"], B)
-    ids, mask = left_pad([p.input_ids for p in prompts], tok.pad_token_id)
+    ids, mask = held_out_batch(tok, B)
     opts = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id)
     with torch.no_grad():
         # plain greedy per-step CPU: total minus prefill estimated from the 1-token generate

@@ -34,11 +34,11 @@ no remaining row needs) are an eighth of the cache, each row's valid slots are p
 
 Block size: the adaptive `DraftLengthController` of the single-sequence path (`BatchDraftLengthController`: one
 draft per round as a candidate, larger sizes tried one at a time), one block size per round for the whole batch: a
-round's cost is measured in this call, so for this batch size (wall time, as a ratio to the plain round measured in
-the same stretch; the draft head's one-off matmul timing, `_calibrate_head`, runs before the clock starts), its
-acceptance is judged on every active row, and it falls back to plain batched decoding when drafting does not pay;
-what the drafter costs beyond what it commits is bounded by an exploration budget (`BatchDraftLengthController`). A
-plain round is a plain batched greedy step (one target forward over the anchors, the feature layers captured for the
+round's cost is measured for this batch size (wall time, as a ratio to the plain round measured in the same stretch,
+remembered across the process's calls at this batch size: `RoundCostMemory`; the draft head's one-off matmul timing,
+`_calibrate_head`, runs before the clock starts), its acceptance is judged on every active row, and it falls back to
+plain batched decoding when drafting does not pay; what the drafter costs beyond what it commits is bounded by an
+exploration budget (`BatchDraftLengthController`). A plain round is a plain batched greedy step (one target forward over the anchors, the feature layers captured for the
 drafter's pending context) and costs the same, so there is no separate hand-over to plain decoding. No prompt lookup
 in the batch path.
 
@@ -62,7 +62,13 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .controller_dflash import DFlashStats, DraftLengthController
+from .controller_dflash import (
+    DFlashStats,
+    DraftLengthController,
+    RoundCostMemory,
+    remembered_round_costs,
+    round_cost_key,
+)
 from .generation_dflash import (
     DFlashDraftHead,
     calibrate_head,
@@ -102,17 +108,32 @@ class BatchDraftLengthController(DraftLengthController):
 
     Sizes are tried one at a time upwards, as at batch 1: a round of 15 drafts at batch 8 costs about four plain steps,
     and is tried only once 7 drafts measured cheap enough that it might pay.
+
+    **A process pays its probes once.** Round costs in plain rounds depend on the machine, the models, their dtypes
+    and devices and the batch size, not on the prompt; so with a ``memory`` (`RoundCostMemory`, kept on the drafter
+    per `round_cost_key`: the batch size the call starts with among its keys) a call starts from the sizes' costs
+    earlier calls measured: those sizes are measured (no probe risk in `affordable`, no climbing to them one at a
+    time), the unit is still timed on the call's first plain rounds, and every cost the call measures is written back
+    as it moves (`BatchedDFlashLoop` stops writing once a row has left the batch: those rounds run fewer rows).
+    Acceptance starts afresh. A remembered cost that has gone stale is corrected by the moving average, and the
+    memory keeps the correction. A stale *low* one cannot make the batch draft on a losing size for long: the first
+    round a call drafts at a remembered size is booked at what it realized, not at most twice the remembered
+    estimate (which another call made), so a size that loses spends the exploration budget in that round, and the
+    estimate climbs with every later timed round; the bound above -- the budget plus one round per call -- holds
+    whatever the memory says. A stale *high* one can only keep the batch from drafting, until the memory forgets a
+    size it has not timed in `RoundCostMemory.forget_after` calls.
     """
 
     unit_rounds, refresh_every = 3, 16
 
-    def __init__(self, max_drafts: int, batch_size: int):
-        super().__init__(max_drafts)
+    def __init__(self, max_drafts: int, batch_size: int, memory: RoundCostMemory | None = None):
+        super().__init__(max_drafts, memory=memory)
         self.batch_size = batch_size
         self.candidates = sorted(set(self.candidates) | ({1} if max_drafts > 1 else set()))
         self.plain_timed, self.since_plain = 0, 0  # plain rounds timed; rounds since the last plain one
         self.drafting = 0.0  # what drafted rounds cost beyond what they committed, in plain rounds
         self.first_plain: list[float] = []  # the first `unit_rounds` plain rounds' seconds
+        self.recalled = set(self.cost)  # sizes priced by the memory and not timed in this call yet
 
     def affordable(self, num_drafts: int) -> bool:
         """Whether the exploration budget has room for a round of ``num_drafts`` drafts: for a size not measured yet
@@ -140,14 +161,19 @@ class BatchDraftLengthController(DraftLengthController):
     def record_round(self, proposed: int, shadow: bool, seconds: float, committed: float, typical: bool) -> None:
         """A round that proposed ``proposed`` drafts (a ``shadow`` round: none, but the drafter ran) took ``seconds``
         and committed ``committed`` tokens per active row: book a drafted one in ``drafting`` (at no more than twice
-        its size's estimated cost, as in `moving_cost`: a stall is not the drafter's doing); time its size when
+        its size's estimated cost, as in `moving_cost`: a stall is not the drafter's doing -- unless the estimate is a
+        remembered one this call has not timed yet); time its size when
         ``typical`` (its drafter forward, if any, read no more than a block of new context)."""
         if shadow:  # charged at `assumed_drafter_cost`: timed against a unit still settling, it could look free
             return
         if proposed and self.step_seconds:
-            self.drafting += min(seconds / self.step_seconds, 2 * self.estimated_cost(proposed)) - committed
+            realized = seconds / self.step_seconds
+            if proposed not in self.recalled:  # a remembered estimate may be stale: no cap until this call timed it
+                realized = min(realized, 2 * self.estimated_cost(proposed))
+            self.drafting += realized - committed
         if typical:
             self.record_cost(proposed, seconds)
+            self.recalled.discard(proposed)
         if proposed == 0:
             self.plain_timed += 1
             if self.plain_timed <= self.unit_rounds:  # the unit starts at their median: one slow round is left out
@@ -238,7 +264,13 @@ class BatchedDFlashLoop:
             )
         self.pad = int(pad if pad is not None else 0)
         self.block_size, adaptive = draft_settings(drafter, generation_config)
-        self.controller = BatchDraftLengthController(self.block_size - 1, input_ids.shape[0]) if adaptive else None
+        self.controller = None
+        if adaptive:  # round costs in plain rounds are the process's, not the prompts': start from earlier calls'
+            key = round_cost_key("batched", target, drafter, input_ids.shape[0], self.block_size,
+                                 generation_config.do_sample)
+            self.controller = BatchDraftLengthController(
+                self.block_size - 1, input_ids.shape[0], memory=remembered_round_costs(drafter, key)
+            )
         self.do_sample = bool(generation_config.do_sample)
         # Sampled drafts hand q to the verifier (as the single-sequence path); greedy drafts are judged by equality.
         sampled = self.do_sample and draft_sampling_mode(drafter, generation_config) == "sample"
@@ -326,6 +358,8 @@ class BatchedDFlashLoop:
             row = int(self.row_ids[index])
             self.finished_rows[row] = self.sequences[index]
             self.finished_lengths[row] = int(self.lengths[index])
+        if self.controller is not None:  # rounds of fewer rows cost less: not what this batch size remembers
+            self.controller.memory = None
         keep = (~done).nonzero().flatten()
         self.cache.batch_select_indices(keep)
         self.drafter_cache.batch_select_indices(keep.to(self.drafter.device))

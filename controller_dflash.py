@@ -5,6 +5,7 @@ through `RoundController`), so it imports only ``torch``.
 
 * `DFlashStats`: per-call acceptance statistics (``draft.last_stats``);
 * `DraftLengthController`: the adaptive block size -- expected committed tokens per unit of measured round cost;
+* `RoundCostMemory`: the round costs a drafter measured, kept across its ``generate`` calls (`remembered_round_costs`);
 * `RoundController`: one sequence's rounds -- the size, shadow drafts, prompt lookup against the drafter;
 * `prompt_lookup_match`: the n-gram continuation prompt lookup proposes.
 
@@ -60,6 +61,67 @@ class DFlashStats:
         return rates
 
 
+class RoundCostMemory:
+    """What rounds cost, remembered across ``generate`` calls of one process: each drafted size's cost in plain rounds
+    (``cost[k]``, ``k > 0``) and a drafter forward's (``drafter_cost``), as the last call's controller left them.
+
+    One memory serves one `round_cost_key` (the loop, batch size, block size, sampling, threads, the target's shape,
+    attention, dtypes and devices: what a cost in plain rounds depends on, not the prompt) and lives on the drafter
+    (`remembered_round_costs`). A call's `DraftLengthController` starts from it (`recall`): a remembered size counts
+    as measured -- no probe, no growing one size at a time -- while the unit (a plain round's seconds) is timed again
+    in every call, and writes every cost it measures back at once (`remember_size`, `remember_drafter`), so a call
+    that ends early or raises has already left what it measured. Acceptance is not remembered: it belongs to the text.
+
+    Stale costs (a neighbour process, a much longer context) are what the call's moving average corrects, and each
+    call leaves the corrected value for the next. A cost remembered too low is never below a plain round (`recall`)
+    and is timed by every round drafted at that size; the batched controller books such rounds at what they realized
+    (`BatchDraftLengthController`), so it cannot draft on it past its exploration budget. A cost remembered too high
+    (a stall during a size's only probe) would keep that size, and the sizes above it, from being tried again: a size
+    not timed in ``forget_after`` calls is forgotten, and probed again when the acceptance makes it look worth it.
+    """
+
+    forget_after = 16
+
+    def __init__(self):
+        self.cost: dict[int, float] = {}
+        self.drafter_cost: float | None = None
+        self.calls = 0  # calls that recalled this memory
+        self.timed: dict[int, int] = {}  # the call that last timed each size
+
+    def recall(self) -> tuple[dict[int, float], float | None]:
+        """A call starts: the remembered costs of the sizes timed in the last ``forget_after`` calls (at least a plain
+        round each: a drafted round verifies at least a plain round's token) and the drafter forward's."""
+        self.calls += 1
+        for size in [k for k, call in self.timed.items() if self.calls - call > self.forget_after]:
+            del self.cost[size], self.timed[size]
+        return {k: max(cost, 1.0) for k, cost in self.cost.items()}, self.drafter_cost
+
+    def remember_size(self, size: int, cost: float) -> None:
+        self.cost[size], self.timed[size] = cost, self.calls
+
+    def remember_drafter(self, cost: float) -> None:
+        self.drafter_cost = cost
+
+
+def round_cost_key(loop: str, target, drafter, batch_size: int, block_size: int, do_sample: bool) -> tuple:
+    """What a round's cost in plain rounds depends on, besides the context: the loop (``"single"``: transformers'
+    assisted loop, ``"batched"``), rows per round, the block (the drafter always reads all of it), sampling (verify
+    processes every position), torch's threads, the target's shape and attention, and both models' dtypes and
+    devices."""
+    config = target.config.get_text_config()
+    shape = tuple(getattr(config, name, None) for name in ("hidden_size", "num_hidden_layers", "vocab_size"))
+    return (loop, batch_size, block_size, bool(do_sample), torch.get_num_threads(), type(target).__name__, shape,
+            getattr(target.config, "_attn_implementation", None), str(target.dtype), str(target.device),
+            str(drafter.dtype), str(drafter.device))
+
+
+def remembered_round_costs(drafter, key: tuple) -> RoundCostMemory:
+    """The drafter's `RoundCostMemory` for ``key`` (`round_cost_key`), created empty on first use. It is kept on the
+    drafter module (``drafter.round_costs``, not in its state dict): the costs are of this drafter in this process."""
+    memories = getattr(drafter, "round_costs", None)
+    if memories is None:
+        memories = drafter.round_costs = {}
+    return memories.setdefault(key, RoundCostMemory())
 
 
 class DraftLengthController:
@@ -88,13 +150,17 @@ class DraftLengthController:
     rounds up front (the first round, whose drafter forward reads the prompt, is a shadow) plus ``explore_share`` of
     the rounds decoded since. A drafter that never fits the text thus costs at most that share of plain decoding, and
     one that starts to fit it is noticed within ``c / explore_share`` rounds (``c``: a drafter forward in plain rounds).
+
+    With a ``memory`` (`RoundCostMemory`) the costs start where earlier calls left them and every measured one is
+    written back to it; the plain round is still timed first in every call.
     """
 
     # A drafter forward, in plain rounds, until a shadow round measures it (fp32 SmolLM2 on an AVX2 EPYC: 0.3-0.5).
     assumed_drafter_cost = 0.5
 
     def __init__(self, max_drafts: int, fast_rate: float = 0.2, slow_rate: float = 1 / 16,
-                 explore_share: float = 0.015, allowance: float = 1.0, margin: float = 0.05):
+                 explore_share: float = 0.015, allowance: float = 1.0, margin: float = 0.05,
+                 memory: RoundCostMemory | None = None):
         self.candidates = sorted({0, max_drafts} | {2**i - 1 for i in range(2, 10) if 2**i - 1 < max_drafts})
         self.rates = (fast_rate, slow_rate)
         self.acceptance = [[0.5] * max_drafts for _ in self.rates]  # fast and slow p_i, conditional
@@ -107,6 +173,9 @@ class DraftLengthController:
         self.rounds, self.explored = 0, 0.0  # rounds chosen; plain rounds spent on shadow drafts
         self.unpriced: list[tuple[float, bool]] = []  # shadow rounds timed before any plain round
         self.shadow = False  # set by `choose`: draft without proposing, to judge draft 1
+        self.memory = memory
+        if memory is not None:  # never cost[0]: "measured" means this call has timed its unit
+            self.cost, self.drafter_cost = memory.recall()
 
     def expected_tokens(self, num_drafts: int, slow: bool = False) -> float:
         """``E[k]``; a draft position never judged yet is assumed as good as the last judged one."""
@@ -183,6 +252,8 @@ class DraftLengthController:
                 self.record_shadow_cost(shadow_seconds, typical)
         elif proposed in self.candidates and self.step_seconds:
             self.cost[proposed] = moving_cost(self.cost.get(proposed), seconds / self.step_seconds, self.rates[0])
+            if self.memory is not None:
+                self.memory.remember_size(proposed, self.cost[proposed])
 
     def record_shadow_cost(self, seconds: float, typical: bool = True) -> None:
         """A shadow round took ``seconds``: what it cost beyond a plain round replaces its expected price in the
@@ -195,6 +266,8 @@ class DraftLengthController:
         extra = max(seconds / self.step_seconds - 1.0, 0.0)
         if typical:
             self.drafter_cost = moving_cost(self.drafter_cost, extra, self.rates[0])
+            if self.memory is not None:
+                self.memory.remember_drafter(self.drafter_cost)
         self.explored += extra - charged
 
 
@@ -242,12 +315,14 @@ class RoundController:
     time, judged by an estimator of its own (``lookup_rates``, with the verify costs of lookup rounds). Looking up
     costs no forward, so its continuation is judged against the committed tokens every round, proposed or not: its
     acceptance estimate never goes stale, and the choice depends on the text rather than on when lookup last ran.
-    Fixed blocks: always ``block_size - 1`` drafts, nothing timed. Every verified round lands in ``stats``.
+    Fixed blocks: always ``block_size - 1`` drafts, nothing timed. Every verified round lands in ``stats``. ``memory``
+    (`RoundCostMemory`): the drafter's round costs start where earlier calls left them (the lookup's are not kept).
     """
 
-    def __init__(self, block_size: int, adaptive: bool, lookup_ngram: int, stats: DFlashStats):
+    def __init__(self, block_size: int, adaptive: bool, lookup_ngram: int, stats: DFlashStats,
+                 memory: RoundCostMemory | None = None):
         self.block_size, self.stats = block_size, stats
-        self.sizes = DraftLengthController(block_size - 1) if adaptive else None
+        self.sizes = DraftLengthController(block_size - 1, memory=memory) if adaptive else None
         self.lookup_ngram = lookup_ngram if adaptive else 0
         # Lookup acceptance per matched n-gram length (a 3-gram match continues the text far more often than a
         # 1-gram one); one table of lookup costs, in plain rounds (no drafter forward), serves them all.

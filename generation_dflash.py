@@ -40,7 +40,7 @@ from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .controller_dflash import DFlashStats, DraftRound, RoundController
+from .controller_dflash import DFlashStats, DraftRound, RoundController, remembered_round_costs, round_cost_key
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,12 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # `generate(max_matching_ngram_size=n)` (0 = off).
         ngram = generation_config.max_matching_ngram_size
         lookup_ngram = getattr(drafter, "prompt_lookup_ngram", 3) if ngram is None else ngram
-        self.controller = RoundController(self.block_size, adaptive, lookup_ngram, DFlashStats(self.block_size))
+        # Round costs in plain rounds are the process's, not the prompt's: start from what earlier calls measured.
+        key = round_cost_key("single", target, drafter, 1, self.block_size, generation_config.do_sample)
+        memory = remembered_round_costs(drafter, key) if adaptive else None
+        self.controller = RoundController(
+            self.block_size, adaptive, lookup_ngram, DFlashStats(self.block_size), memory=memory
+        )
         drafter.last_stats = self.controller.stats
         # Time the head's matmul forms now (once per process), not inside a round whose cost the controller measures.
         for num_rows in self.controller.head_rows():
@@ -471,6 +476,8 @@ class DFlashDrafterMixin:
 
     _is_dflash_drafter = True
     last_stats: DFlashStats | None = None
+    # What rounds cost with this drafter in this process, per `round_cost_key` (`RoundCostMemory`): set on first use.
+    round_costs: dict | None = None
     # The default for calls that do not choose (see `draft_settings`): choose the number of drafts per round from
     # measured costs and acceptance (`DraftLengthController`); False always proposes block_size - 1 drafts (as the
     # reference does). Per call: generate(..., num_assistant_tokens=k, num_assistant_tokens_schedule=...).

@@ -253,7 +253,7 @@ def test_sampling_follows_each_rows_target_distribution(temperature, top_k, monk
     ids, mask = left_padded(prompts)
     warp = processors(temperature, top_k, 1.0)
     joints = [exact_joint(target, p, warp) for p in prompts]
-    pin_batch(monkeypatch, [alone(target, p, 8) for p in prompts], cuts=lambda row, r, n: n)  # greedy paths
+    pin_batch(monkeypatch, [alone(target, p, 8) for p in prompts], cuts=lambda row, r, n: 99)  # greedy paths
     options = dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=1.0, max_new_tokens=3)
     assert_rows_sample_exactly(target, drafter, ids, mask, joints, options)
 
@@ -406,19 +406,22 @@ def test_batch_controller_climbs_one_size_at_a_time_and_averages_per_round():
 BATCH8_COSTS = {0: 1.0, 1: 1.8, 3: 2.4, 7: 3.4, 15: 5.0}
 
 
-def drive_batch_controller(acceptance, first_plain_seconds=1.0, rounds=64, batch=8, seed=0):
+def drive_batch_controller(acceptance, first_plain_seconds=1.0, rounds=64, batch=8, seed=0, memory=None, probes=None):
     """Drive `BatchDraftLengthController` as `BatchedDFlashLoop._round` does, with `BATCH8_COSTS` (seconds = plain
     rounds; a shadow round costs a plain round plus 0.3, the first one reads the prompts: 0.7) and every row accepting
     each draft with probability ``acceptance``; the first plain round takes ``first_plain_seconds`` (the first decode
     step after the prefill, or one a neighbour slowed down). Returns the choices and what the drafter cost the call
-    beyond plain decoding, in plain rounds (negative: it paid)."""
+    beyond plain decoding, in plain rounds (negative: it paid). With ``memory`` (`RoundCostMemory`) the controller
+    starts from its costs; ``probes`` collects the drafted sizes it chose without a cost for them."""
     from dflash_hf.batch_generation_dflash import BatchDraftLengthController
 
-    controller = BatchDraftLengthController(15, batch_size=batch)
+    controller = BatchDraftLengthController(15, batch_size=batch, memory=memory)
     generator = torch.Generator().manual_seed(seed)
     choices, bill, first_plain = [], 0.0, True
     for index in range(rounds):
         k = controller.choose()
+        if probes is not None and k and k not in controller.cost:
+            probes.append(k)
         shadow = controller.shadow
         drafted = min(k + 1, 15) if k or shadow else 0
         committed = []
@@ -543,3 +546,182 @@ def test_the_draft_head_is_timed_only_for_drafted_sizes_and_not_again_when_rows_
     assert_rows_equal_alone(target, out, ids, prompts, 30, **options)
     assert min(drafted) < max(drafted)  # a row left the batch
     assert timed == drafted  # once per drafted round, for its own row count, nothing else
+
+
+# ---------------------------------------------------------------- round costs remembered across calls
+
+
+def record_batch_choices(monkeypatch):
+    """Record, per call, the costs its controller started with (``starts``) and every round's ``(k, probe)`` (a probe:
+    a drafted size the call had no cost for when it chose it) in ``calls``."""
+    from dflash_hf.batch_generation_dflash import BatchDraftLengthController
+
+    starts, calls = [], []
+    init, choose = BatchDraftLengthController.__init__, BatchDraftLengthController.choose
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        starts.append(dict(self.cost))
+        calls.append([])
+
+    def recording_choose(self):
+        k = choose(self)
+        calls[-1].append((k, k > 0 and k not in self.cost))
+        return k
+
+    monkeypatch.setattr(BatchDraftLengthController, "__init__", recording_init)
+    monkeypatch.setattr(BatchDraftLengthController, "choose", recording_choose)
+    return starts, calls
+
+
+def fake_round_clock(monkeypatch):
+    """Rounds take ``b * (1 + 0.05 k)`` seconds for ``k`` drafts verified on ``b`` rows, plus 0.3 per drafter forward,
+    on a fake clock: the controller's choices no longer depend on how fast this machine runs the tiny models."""
+    import types
+
+    clock = [0.0]
+    monkeypatch.setattr(batch_generation_dflash, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    verify, draft = BatchedDFlashLoop._verify, BatchedDFlashLoop._draft
+
+    def timed_verify(self, proposals, limits):
+        clock[0] += self.batch * (1 + 0.05 * proposals.shape[1])
+        return verify(self, proposals, limits)
+
+    def timed_draft(self, num_drafts):
+        clock[0] += 0.3
+        return draft(self, num_drafts)
+
+    monkeypatch.setattr(BatchedDFlashLoop, "_verify", timed_verify)
+    monkeypatch.setattr(BatchedDFlashLoop, "_draft", timed_draft)
+
+
+def only_memory(drafter):
+    (memory,) = drafter.round_costs.values()
+    return memory
+
+
+def test_a_second_call_at_the_same_batch_size_starts_from_the_first_calls_costs_and_probes_nothing(target, monkeypatch):
+    """Every row accepts every draft (pinned, never corrupted), so the first call probes 1, 3 and 7 drafts; the second call at the same
+    batch size starts with the costs the first measured and drafts only sizes it has a cost for. Both equal plain
+    batched greedy, and so does a third, unpinned call starting from the same costs."""
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+    prompts = [random_prompt(170 + i, length) for i, length in enumerate((9, 4, 21))]
+    ids, mask = left_padded(prompts)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False)
+    continuations = [alone(target, p, 60) for p in prompts]
+    starts, calls = record_batch_choices(monkeypatch)
+    fake_round_clock(monkeypatch)
+    real_draft = BatchedDFlashLoop._draft
+    pin_batch(monkeypatch, continuations, cuts=lambda row, r, n: 99)
+    options = dict(attention_mask=mask, max_new_tokens=60, do_sample=False, assistant_model=drafter)
+    assert torch.equal(target.generate(ids, **options), plain)
+    first_costs = dict(only_memory(drafter).cost)
+    assert starts[0] == {} and [k for k, probe in calls[0] if probe] == [1, 3, 7]
+    assert set(first_costs) == {1, 3, 7}  # the memory holds what the first call measured
+    assert torch.equal(target.generate(ids, **options), plain)
+    assert starts[1] == {k: max(cost, 1.0) for k, cost in first_costs.items()}
+    drafted = [k for k, _ in calls[1] if k]
+    assert drafted[0] == 7 and not any(probe for _, probe in calls[1])  # straight to the best size, no probe
+    monkeypatch.setattr(BatchedDFlashLoop, "_draft", real_draft)
+    assert torch.equal(target.generate(ids, **options), plain)
+    assert set(starts[2]) == {1, 3, 7}
+
+
+def test_another_batch_size_does_not_reuse_the_costs(monkeypatch):
+    """Costs in plain rounds depend on the batch size: a call at batch 2 after one at batch 3 starts without costs
+    and probes again; each batch size has its own memory on the drafter."""
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+    prompts = [random_prompt(180 + i, length) for i, length in enumerate((6, 13, 2))]
+    continuations = [alone(target, p, 40) for p in prompts]
+    starts, calls = record_batch_choices(monkeypatch)
+    fake_round_clock(monkeypatch)
+    pin_batch(monkeypatch, continuations, cuts=lambda row, r, n: 99)
+    for rows in (3, 2):
+        ids, mask = left_padded(prompts[:rows])
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False))
+    assert starts == [{}, {}]
+    assert [k for k, probe in calls[1] if probe] == [1, 3, 7]
+    assert sorted(key[1] for key in drafter.round_costs) == [2, 3]
+
+
+def test_a_call_that_raises_has_already_written_its_costs_back(monkeypatch):
+    """Costs are written back as they are measured: a call interrupted after its first drafted rounds leaves them."""
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+    prompts = [random_prompt(190 + i, length) for i, length in enumerate((6, 13))]
+    ids, mask = left_padded(prompts)
+    fake_round_clock(monkeypatch)
+    pin_batch(monkeypatch, [alone(target, p, 40) for p in prompts], cuts=lambda row, r, n: 99)
+    real_round, measured = BatchedDFlashLoop._round, {}
+
+    def interrupted(self):
+        real_round(self)
+        if len(self.controller.cost) > 2:  # a plain round and two drafted sizes measured
+            measured.update((k, cost) for k, cost in self.controller.cost.items() if k)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(BatchedDFlashLoop, "_round", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+    assert len(measured) == 2 and only_memory(drafter).cost == measured
+
+
+def test_costs_measured_after_a_row_left_are_not_remembered_for_the_batch_size(monkeypatch):
+    """A row that finished leaves the batch: later rounds compute fewer rows and are cheaper, so the memory of this
+    batch size keeps the costs as they were when the first row left, while the call's controller goes on timing."""
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+    prompts = [random_prompt(200 + i, length) for i, length in enumerate((6, 13, 8))]
+    ids, mask = left_padded(prompts)
+    continuations = [alone(target, p, 60) for p in prompts]
+    fake_round_clock(monkeypatch)
+    pin_batch(monkeypatch, continuations, cuts=lambda row, r, n: 99)
+    eos = int(continuations[0][30])
+    assert eos not in continuations[1].tolist() and eos not in continuations[2].tolist()
+    real_drop, when_left, controllers = BatchedDFlashLoop._drop_finished, [], []
+
+    def drop(self):
+        if bool(self.done.any()) and not when_left:
+            when_left.append({k: cost for k, cost in self.controller.cost.items() if k})
+            controllers.append(self.controller)
+        real_drop(self)
+
+    monkeypatch.setattr(BatchedDFlashLoop, "_drop_finished", drop)
+    options = dict(max_new_tokens=60, do_sample=False, pad_token_id=PAD, eos_token_id=eos)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, **options)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **options))
+    assert when_left[0] and only_memory(drafter).cost == when_left[0]
+    assert {k: c for k, c in controllers[0].cost.items() if k} != when_left[0]  # it went on measuring
+
+
+def test_a_stale_low_remembered_cost_costs_at_most_the_budget_plus_a_round():
+    """Remembered costs far too low (every size at a plain round: 1.8-5x too cheap) for a drafter that cannot pay:
+    the batch drafts on them, but the first round at a remembered size is booked at what it realized, so the call
+    loses at most the exploration budget plus one round, and leaves higher costs in the memory."""
+    from dflash_hf.controller_dflash import RoundCostMemory
+
+    memory = RoundCostMemory()
+    for k in (1, 3, 7, 15):
+        memory.remember_size(k, 1.0)
+    choices, bill = drive_batch_controller(acceptance=0.6, memory=memory)
+    assert any(k not in (0, "s") for k in choices)
+    assert bill <= 1.0 + 0.015 * len(choices) + (BATCH8_COSTS[15] - 1.0)
+    assert sum(k not in (0, "s") for k in choices) <= 2
+    assert max(memory.cost.values()) > 1.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_controller_remembering_its_costs_probes_once_per_process(seed):
+    """A drafter that pays: the first call probes 1, 3, 7 and 15 drafts; a second call with the same memory probes
+    nothing, goes straight to the long blocks and gains at least as much."""
+    from dflash_hf.controller_dflash import RoundCostMemory
+
+    memory, probes = RoundCostMemory(), []
+    first, first_bill = drive_batch_controller(acceptance=0.85, seed=seed, memory=memory, probes=probes)
+    assert probes == [1, 3, 7, 15]
+    probes.clear()
+    second, second_bill = drive_batch_controller(acceptance=0.85, seed=seed + 10, memory=memory, probes=probes)
+    assert probes == [] and second_bill <= first_bill
+    assert [k for k in second if k not in (0, "s")][0] in (7, 15)

@@ -38,9 +38,9 @@ round's cost is measured for this batch size (wall time, as a ratio to the plain
 remembered across the process's calls at this batch size: `RoundCostMemory`; the draft head's one-off matmul timing,
 `_calibrate_head`, runs before the clock starts), its acceptance is judged on every active row, and it falls back to
 plain batched decoding when drafting does not pay; what the drafter costs beyond what it commits is bounded by an
-exploration budget (`BatchDraftLengthController`). A plain round is a plain batched greedy step (one target forward over the anchors, the feature layers captured for the
-drafter's pending context) and costs the same, so there is no separate hand-over to plain decoding. No prompt lookup
-in the batch path.
+exploration budget (`BatchDraftLengthController`). A plain round is a plain batched greedy step (one target forward
+over the anchors, the feature layers captured for the drafter's pending context) and costs the same, so there is no
+separate hand-over to plain decoding. No prompt lookup in the batch path.
 
 The drafter's causal and sliding-window layers get the logical positions of its cached slots
 (``cached_positions``), so its windows count positions, not slots.
@@ -162,8 +162,8 @@ class BatchDraftLengthController(DraftLengthController):
         """A round that proposed ``proposed`` drafts (a ``shadow`` round: none, but the drafter ran) took ``seconds``
         and committed ``committed`` tokens per active row: book a drafted one in ``drafting`` (at no more than twice
         its size's estimated cost, as in `moving_cost`: a stall is not the drafter's doing -- unless the estimate is a
-        remembered one this call has not timed yet); time its size when
-        ``typical`` (its drafter forward, if any, read no more than a block of new context)."""
+        remembered one this call has not timed yet); time its size when ``typical`` (its drafter forward, if any, read
+        no more than a block of new context)."""
         if shadow:  # charged at `assumed_drafter_cost`: timed against a unit still settling, it could look free
             return
         if proposed and self.step_seconds:

@@ -243,8 +243,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ngram = generation_config.max_matching_ngram_size
         lookup_ngram = getattr(drafter, "prompt_lookup_ngram", 3) if ngram is None else ngram
         # Round costs in plain rounds are the process's, not the prompt's: start from what earlier calls measured.
-        key = round_cost_key("single", target, drafter, 1, self.block_size, generation_config.do_sample)
-        memory = remembered_round_costs(drafter, key) if adaptive else None
+        memory = None
+        if adaptive:
+            key = round_cost_key("single", target, drafter, 1, self.block_size, generation_config.do_sample)
+            memory = remembered_round_costs(drafter, key)
         self.controller = RoundController(
             self.block_size, adaptive, lookup_ngram, DFlashStats(self.block_size), memory=memory
         )

@@ -7,10 +7,11 @@ kind costs, and tau; and the call in plain-round units (each round's CPU time ov
 NEW_TOKENS steps of plain batched greedy: an estimate of the speed ratio that a busy core distorts less than the
 CPU-time ratio of two calls.
 
-    taskset -c 0 .venv/bin/python scripts/batch_policy_trace.py BATCH NEW_TOKENS REPEATS [old] [margin10]   # e.g. 8 64 2
+    taskset -c 0 .venv/bin/python scripts/batch_policy_trace.py BATCH NEW_TOKENS REPEATS [old] [margin10] [fresh]
 
-Extra methods, interleaved with the others: ``old`` runs the policy before the exploration ledger (commit 82c483e:
-the base `DraftLengthController.choose`, no unit warm-up); ``margin10`` the current one with a margin of 10 %.
+(e.g. ``8 64 4 fresh``). Extra methods, interleaved with the others: ``old`` runs the policy before the exploration
+ledger (commit 82c483e: the base `DraftLengthController.choose`, no unit warm-up); ``margin10`` the current one with a
+margin of 10 %; ``fresh`` the current one without the memory of round costs across calls (every call probes again).
 """
 import collections, statistics, sys, time
 import torch
@@ -56,6 +57,13 @@ class Margin10Controller(NewController):
         self.margin = 0.1
 
 
+class FreshController(NewController):
+    """Without the memory of round costs across calls (`RoundCostMemory`): every call measures them afresh."""
+
+    def __init__(self, max_drafts, batch_size, memory=None):
+        super().__init__(max_drafts, batch_size)
+
+
 class OldController(NewController):
     def choose(self):
         self.last_choice = bg.DraftLengthController.choose(self)
@@ -72,7 +80,7 @@ with torch.no_grad():
         target.generate(ids, attention_mask=mask, **dict(opts, max_new_tokens=4), **kw)
 cpu, calls = collections.defaultdict(list), collections.defaultdict(list)
 methods = ["greedy", "dflash"] + sys.argv[4:]
-controllers = {"old": OldController, "margin10": Margin10Controller}
+controllers = {"old": OldController, "margin10": Margin10Controller, "fresh": FreshController}
 for rep in range(REPS):
     for name in methods[rep % len(methods):] + methods[:rep % len(methods)]:
         rounds.clear(), probes.clear(), starts.clear()
@@ -97,7 +105,8 @@ for rep in range(REPS):
             for kind, v in sorted(kinds.items(), key=lambda item: str(item[0])))
         units = sum(seconds / unit[b] for _, b, seconds, _ in rounds if b in unit)
         calls[name].append((sum(probes), units))
-        print(f"rep {rep} {name}: starts with costs of sizes {starts[0] if starts else '-'}, {sum(probes)} probes, tau {drafter.last_stats.mean_acceptance_length:.2f}, {len(rounds)} rounds, "
+        print(f"rep {rep} {name}: starts with costs of sizes {starts[0] if starts else '-'}, {sum(probes)} probes, "
+              f"tau {drafter.last_stats.mean_acceptance_length:.2f}, {len(rounds)} rounds, "
               f"{units:.1f} plain-round units (greedy: {NEW} steps -> {NEW / units:.3f}x): {summary}")
         print("  sequence:", "".join("s" if kind == "s" else str(kind) if kind < 10 else "F" for kind, *_ in rounds))
     print(f"rep {rep}: " + ", ".join(f"{m} {cpu[m][-1]:.2f}" for m in methods) + " s CPU", flush=True)

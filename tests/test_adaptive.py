@@ -1,10 +1,12 @@
 """Adaptive block size: the controller's choices on synthetic costs, and losslessness whatever it chooses."""
 
 import copy
+import functools
+import types
 
 import pytest
 import torch
-from conftest import random_prompt, tiny_drafter
+from conftest import random_prompt, tiny_drafter, tiny_target
 from oracle import pin
 
 from dflash_hf import DraftLengthController
@@ -328,3 +330,138 @@ def test_prompt_lookup_off_and_fixed_blocks_never_look_up(target):
     drafter = tiny_drafter(target, block_size=8, adaptive=False)
     generator = drafter.make_candidate_generator(target, target.generation_config, random_prompt(0), {})
     assert generator.controller.lookup_rates is None
+
+
+# ---------------------------------------------------------------- round costs remembered across calls
+
+
+def test_a_second_single_sequence_call_starts_from_the_first_calls_round_costs(target, monkeypatch):
+    """The single-sequence path shares the batched path's memory (`RoundCostMemory`, key ``"single"``, batch 1): the
+    second call starts with the costs the first measured (every draft accepted: it climbed 3 -> 7) and probes no size,
+    and both calls (and a third, with the drafter's own drafts) equal plain greedy."""
+    from dflash_hf import controller_dflash
+    from dflash_hf.controller_dflash import RoundCostMemory
+
+    drafter = tiny_drafter(target, block_size=8, adaptive=True)
+    ids = random_prompt(7)
+    plain = target.generate(ids, max_new_tokens=40, do_sample=False)
+    starts, probes = [], []
+    recall, choose = RoundCostMemory.recall, DraftLengthController.choose
+
+    def recording_recall(self):
+        costs, drafter_cost = recall(self)
+        starts.append((dict(costs), drafter_cost))  # a copy: the call's controller adds to its own
+        probes.append([])
+        return costs, drafter_cost
+
+    def recording_choose(self):
+        k = choose(self)
+        if k and k not in self.cost:
+            probes[-1].append(k)
+        return k
+
+    monkeypatch.setattr(RoundCostMemory, "recall", recording_recall)
+    monkeypatch.setattr(DraftLengthController, "choose", recording_choose)
+    # A fake clock: a target forward over n tokens takes 1 + 0.05 n, a drafter forward 0.3 (the choices no longer
+    # depend on how fast this machine runs the tiny models).
+    clock, forward = [0.0], target.forward
+
+    @functools.wraps(forward)
+    def timed_forward(*args, **kwargs):
+        clock[0] += 1 + 0.05 * kwargs["input_ids"].shape[1]
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(controller_dflash, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(target, "forward", timed_forward)
+    real_draft = DFlashCandidateGenerator.draft_block
+
+    def perfect(self, input_ids, round):  # the drafter runs; its drafts are the greedy continuation, all accepted
+        clock[0] += 0.3
+        real_draft(self, input_ids, round)
+        start = input_ids.shape[1]
+        round.drafts = plain[:, start : start + min(round.num_drafts + 1, self.block_size - 1)]
+        return round.drafts[:, : round.num_drafts], None
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "draft_block", perfect)
+    options = dict(max_new_tokens=40, do_sample=False, assistant_model=drafter, max_matching_ngram_size=0)
+    assert torch.equal(target.generate(ids, **options), plain)
+    ((key, memory),) = drafter.round_costs.items()
+    assert key[:2] == ("single", 1) and starts[0] == ({}, None) and probes[0] == [3, 7]
+    first_costs = dict(memory.cost)
+    assert first_costs == pytest.approx({3: 1.5 / 1.05, 7: 1.7 / 1.05})  # (verify k + 1 tokens + drafter) / plain
+    assert torch.equal(target.generate(ids, **options), plain)
+    assert starts[1][0] == {k: max(cost, 1.0) for k, cost in first_costs.items()} and set(first_costs) == {3, 7}
+    assert probes[1] == [] and max(drafter.last_stats.proposed_lengths) == 7
+    monkeypatch.setattr(DFlashCandidateGenerator, "draft_block", real_draft)
+    assert torch.equal(target.generate(ids, **options), plain)
+    assert set(starts[2][0]) == {3, 7}
+
+
+def test_round_cost_key_separates_what_costs_depend_on():
+    from dflash_hf.controller_dflash import round_cost_key
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    key = round_cost_key("batched", target, drafter, 4, 8, False)
+    assert round_cost_key("batched", target, drafter, 4, 8, False) == key
+    assert round_cost_key("batched", tiny_target(seed=3), tiny_drafter(target, seed=5), 4, 8, False) == key
+    others = [
+        round_cost_key("single", target, drafter, 4, 8, False),
+        round_cost_key("batched", target, drafter, 8, 8, False),
+        round_cost_key("batched", target, drafter, 4, 16, False),
+        round_cost_key("batched", target, drafter, 4, 8, True),
+        round_cost_key("batched", target, copy.deepcopy(drafter).double(), 4, 8, False),
+        round_cost_key("batched", tiny_target("llama"), drafter, 4, 8, False),
+        round_cost_key("batched", tiny_target(num_hidden_layers=3), drafter, 4, 8, False),
+        round_cost_key("batched", tiny_target(attn="eager"), drafter, 4, 8, False),
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        others.append(round_cost_key("batched", target, drafter, 4, 8, False))
+    finally:
+        torch.set_num_threads(threads)
+    assert len({key, *others}) == len(others) + 1
+
+
+def test_round_cost_memory_recalls_merges_and_forgets():
+    from dflash_hf.controller_dflash import RoundCostMemory, remembered_round_costs
+
+    memory = RoundCostMemory()
+    memory.forget_after = 2
+    assert memory.recall() == ({}, None)
+    memory.remember_size(1, 0.8)  # timed below a plain round (a slowed unit): recalled as one plain round
+    memory.remember_size(3, 2.0)
+    memory.remember_drafter(0.4)
+    assert memory.recall() == ({1: 1.0, 3: 2.0}, 0.4)
+    memory.remember_size(3, 2.2)  # a call writes back the sizes it timed; the others stay
+    assert memory.recall() == ({1: 1.0, 3: 2.2}, 0.4)  # size 1 not timed in the last call (2)
+    assert memory.recall() == ({3: 2.2}, 0.4)  # ... nor in the 2 before this one: forgotten
+    assert memory.recall() == ({}, 0.4)
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    first = remembered_round_costs(drafter, ("batched", 4))
+    assert remembered_round_costs(drafter, ("batched", 4)) is first
+    assert remembered_round_costs(drafter, ("batched", 8)) is not first
+    assert set(drafter.round_costs) == {("batched", 4), ("batched", 8)}
+    assert tiny_drafter(target).round_costs is None  # per drafter, not per class or process
+    assert not any("round_costs" in name for name in drafter.state_dict())
+
+
+def test_remembered_costs_count_as_measured_and_are_written_back_as_they_move():
+    """A controller starting from a memory: a remembered size is measured (no waiting for the size below it), the
+    plain round is still timed first, and each timed round's new cost is in the memory at once."""
+    from dflash_hf.controller_dflash import RoundCostMemory
+
+    memory = RoundCostMemory()
+    memory.remember_size(7, 1.5)
+    memory.remember_size(15, 3.0)
+    controller = DraftLengthController(15, memory=memory)
+    controller.acceptance = [[0.9] * 15, [0.9] * 15]
+    controller.judged = 15
+    assert controller.choose() == 0 and controller.shadow  # the first round: shadow
+    assert controller.choose() == 0  # the unit is not timed yet
+    controller.record_cost(0, 0.1)
+    assert controller.best() == 7  # 3 was never timed, but 7 is remembered (and 15 measured dearer)
+    controller.record_cost(7, 0.2)
+    assert memory.cost[7] == pytest.approx(controller.cost[7]) and controller.cost[7] > 1.5

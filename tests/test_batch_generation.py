@@ -601,9 +601,10 @@ def only_memory(drafter):
 
 
 def test_a_second_call_at_the_same_batch_size_starts_from_the_first_calls_costs_and_probes_nothing(target, monkeypatch):
-    """Every row accepts every draft (pinned, never corrupted), so the first call probes 1, 3 and 7 drafts; the second call at the same
-    batch size starts with the costs the first measured and drafts only sizes it has a cost for. Both equal plain
-    batched greedy, and so does a third, unpinned call starting from the same costs."""
+    """Every row accepts every draft (pinned, never corrupted; rounds timed on a fake clock), so the first call probes
+    1, 3 and 7 drafts; the second call at the same batch size starts with the costs the first measured, goes straight
+    to 7 drafts and probes nothing. Both equal plain batched greedy, and so does a third, unpinned call starting from
+    the same costs."""
     drafter = tiny_drafter(target, block_size=8, adaptive=True)
     prompts = [random_prompt(170 + i, length) for i, length in enumerate((9, 4, 21))]
     ids, mask = left_padded(prompts)

@@ -27,6 +27,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
+from .bench_report import parting_text
 from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterMixin, sampling_options
 
 # dflash_nolookup: dflash without prompt lookup next to the drafter (the drafter alone, adaptive block size)
@@ -536,17 +537,19 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
     ``batch_size`` consecutive prompts, interleaved (order rotated per repeat, one untimed warm-up call each).
 
     Returns ``{"batch_size", "runs": [...], "summary": {method: {"tokens", "seconds", "tok_s", "cpu_seconds",
-    "cpu_tok_s"}, "speedup", "cpu_speedup", "rows_equal", "rows", "tau"}}``; ``rows_equal`` counts DFlash rows
-    identical to plain batched greedy's. ``cpu_*`` use the process's CPU time, which a busy neighbour on the same core
-    distorts less than wall time.
+    "cpu_tok_s"}, "speedup", "cpu_speedup", "rows_equal", "rows", "tau"}, "partings": [...]}``; ``rows_equal`` counts
+    DFlash rows identical to plain batched greedy's, and ``partings`` says where each other row parted from it (greedy
+    only: ``{"group", "prompt_id", "position", "gap", "error", "near_tie"}``, `divergence_margin` on the row without
+    its padding). ``cpu_*`` use the process's CPU time, which a busy neighbour on the same core distorts less than
+    wall time.
     """
     eos = target.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     options = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
     methods = {"greedy": {}, "dflash": dict(assistant_model=drafter, **(generate_kwargs or {}))}
     groups = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    runs, rows_equal, rows, taus = [], 0, 0, []
-    warm = False
+    runs, rows_equal, rows, taus, partings = [], 0, 0, [], []
+    warm, exact = False, None
     for index, group in enumerate(groups):
         ids, mask = left_pad([p.input_ids for p in group], pad_token_id)
         if not warm:
@@ -570,11 +573,20 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
                 if name == "dflash":
                     taus.append(drafter.last_stats.mean_acceptance_length)
         width = ids.shape[1]
-        plain, ours = outputs["greedy"][:, width:], outputs["dflash"][:, width:]
-        for i in range(len(group)):
-            n = min(plain.shape[1], ours.shape[1])
+        n = min(outputs["greedy"].shape[1], outputs["dflash"].shape[1]) - width
+        plain, ours = outputs["greedy"][:, width : width + n], outputs["dflash"][:, width : width + n]
+        for i, prompt in enumerate(group):
             rows += 1
-            rows_equal += bool(torch.equal(plain[i, :n], ours[i, :n]))
+            start = prompt.input_ids.shape[1]  # each row without its left padding, as it would run alone
+            reference = torch.cat([prompt.input_ids, plain[i : i + 1].to(prompt.input_ids.device)], dim=-1)
+            output = torch.cat([prompt.input_ids, ours[i : i + 1].to(prompt.input_ids.device)], dim=-1)
+            position = first_difference(output, reference, start)
+            rows_equal += position is None
+            if position is not None and not options["do_sample"]:
+                exact = exact or float32_twin(target)
+                margin = divergence_margin(target, output.to(target.device), reference.to(target.device), start,
+                                           position, exact)
+                partings.append({"group": index, "prompt_id": prompt.id, "position": position, **margin})
         if progress:
             print(f"batch {index + 1}/{len(groups)} done", flush=True)
     summary = {}
@@ -589,7 +601,7 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
         summary[key] = summary["dflash"][rate] / base if base else 0.0
     summary.update(rows_equal=rows_equal, rows=rows, tau=statistics.fmean(taus) if taus else 0.0)
     return {"batch_size": batch_size, "max_new_tokens": max_new_tokens, "repeats": repeats, "runs": runs,
-            "summary": summary, "machine": machine_info(target.dtype)}
+            "summary": summary, "partings": partings, "machine": machine_info(target.dtype)}
 
 
 def batch_report(result: dict) -> str:
@@ -605,6 +617,9 @@ def batch_report(result: dict) -> str:
           f"{s[m]['cpu_tok_s']:.1f} |" for m in ("greedy", "dflash")),
         "",
         f"speedup (DFlash / plain batched greedy): {s['speedup']:.2f}x wall, {s['cpu_speedup']:.2f}x CPU time",
+        *(["", "Rows that parted from plain batched greedy (generated index; float32 logit gap, reference token - ours, "
+               "and the dtype's error there; near-tie = within 4 x error of the float32 top logit): "
+               + "; ".join(map(parting_text, result.get("partings", [])))] if result.get("partings") else []),
     ])
 
 

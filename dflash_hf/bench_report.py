@@ -177,11 +177,16 @@ def _divergence_lines(summary, temperature) -> list[str]:
              "(reference token - ours) there and the dtype's error on those logits, from one forward of the "
              "reference prefix; near-tie = our token within 4 x error of the float32 top logit:", ""]
     for row in rows:
-        parts = [f"{d['prompt_id']} @ {d['position']} (gap {_fmt(d['gap'], '.3f')}, error {_fmt(d.get('error'), '.3f')}"
-                 f", {'near-tie' if d['near_tie'] else 'NOT a near-tie' if d['near_tie'] is False else 'length'})"
-                 for d in row["first_diffs"]]
-        lines.append(f"- {row['dataset']} / {row['method']}: " + "; ".join(parts))
+        lines.append(f"- {row['dataset']} / {row['method']}: " + "; ".join(map(parting_text, row["first_diffs"])))
     return lines
+
+
+def parting_text(parting: dict) -> str:
+    """``"ID @ position (gap G, error E, near-tie)"`` for one output that parted from plain greedy
+    (``{"prompt_id", "position", "gap", "error", "near_tie"}``, see `bench.divergence_margin`)."""
+    d = parting
+    kind = "near-tie" if d["near_tie"] else "NOT a near-tie" if d["near_tie"] is False else "length"
+    return f"{d['prompt_id']} @ {d['position']} (gap {_fmt(d['gap'], '.3f')}, error {_fmt(d.get('error'), '.3f')}, {kind})"
 
 
 def _by_int(mapping, k):

@@ -292,5 +292,34 @@ def test_batch_benchmark_times_whole_batches_and_checks_every_row(models):
     assert len(result["runs"]) == 4 and summary["speedup"] > 0 and summary["cpu_speedup"] > 0
     assert all(run["cpu_seconds"] > 0 for run in result["runs"])
     assert "| dflash | 24 |" in batch_report(result)
+    assert result["partings"] == [] and "parted" not in batch_report(result)
     rows = torch.tensor([[9, 9, 5, 2, 0, 0], [9, 9, 5, 6, 7, 8]])  # prompt width 2, EOS 2 then padding
     assert generated_tokens(rows, 2, [2]) == 2 + 4
+
+
+def test_batch_benchmark_locates_where_a_row_parted_and_asks_if_it_was_a_near_tie(models, monkeypatch):
+    """A DFlash row that differs from plain batched greedy is reported with the generated index of its first
+    difference, counted in that row without its left padding, and the float32 margin there."""
+    from dflash_hf.bench import batch_report, run_batch_benchmark
+
+    target, drafter = models
+    generator = torch.Generator().manual_seed(4)
+    batch_prompts = [BenchPrompt("toy", str(i), torch.randint(4, VOCAB, (1, 3 + 6 * i), generator=generator))
+                     for i in range(2)]
+    generate = type(target).generate
+
+    def spoiled(self, *args, **kwargs):  # DFlash's row 0 (the shorter prompt) gets a wrong token at generated index 5
+        output = generate(self, *args, **kwargs)
+        if kwargs.get("assistant_model") is not None and kwargs["max_new_tokens"] == 8:
+            output = output.clone()
+            width = args[0].shape[1]
+            output[0, width + 5] = (output[0, width + 5] + 1) % VOCAB
+        return output
+
+    monkeypatch.setattr(type(target), "generate", spoiled)
+    result = run_batch_benchmark(target, batch_prompts, drafter, batch_size=2, max_new_tokens=8, progress=False)
+    assert result["summary"]["rows_equal"] == 1
+    (parting,) = result["partings"]
+    assert (parting["prompt_id"], parting["position"], parting["group"]) == ("0", 5, 0)
+    assert parting["near_tie"] is False and parting["gap"] > 0  # a token the target does not rank first
+    assert "0 @ 5 (gap" in batch_report(result) and "NOT a near-tie" in batch_report(result)

@@ -316,19 +316,23 @@ class RoundController:
     costs no forward, so its continuation is judged against the committed tokens every round, proposed or not: its
     acceptance estimate never goes stale, and the choice depends on the text rather than on when lookup last ran.
     Fixed blocks: always ``block_size - 1`` drafts, nothing timed. Every verified round lands in ``stats``. ``memory``
-    (`RoundCostMemory`): the drafter's round costs start where earlier calls left them (the lookup's are not kept).
+    and ``lookup_memory`` (`RoundCostMemory`): the drafter's and the lookup's round costs start where earlier calls
+    left them. The lookup's matter as much: until a lookup size is timed it is priced at a plain round (it runs no
+    drafter), while verifying 4 tokens costs ~2 plain rounds in fp32 on a CPU, so every call would otherwise propose
+    its first matches on that price, and lose them where the answer does not copy the prompt.
     """
 
     def __init__(self, block_size: int, adaptive: bool, lookup_ngram: int, stats: DFlashStats,
-                 memory: RoundCostMemory | None = None):
+                 memory: RoundCostMemory | None = None, lookup_memory: RoundCostMemory | None = None):
         self.block_size, self.stats = block_size, stats
         self.sizes = DraftLengthController(block_size - 1, memory=memory) if adaptive else None
         self.lookup_ngram = lookup_ngram if adaptive else 0
         # Lookup acceptance per matched n-gram length (a 3-gram match continues the text far more often than a
         # 1-gram one); one table of lookup costs, in plain rounds (no drafter forward), serves them all.
         self.lookup_rates = None
+        self.lookup_memory = lookup_memory if self.lookup_ngram else None
         if self.lookup_ngram:
-            costs = {0: 1.0}
+            costs = {0: 1.0, **(lookup_memory.recall()[0] if lookup_memory is not None else {})}
             self.lookup_rates = {n: DraftLengthController(block_size - 1) for n in range(1, self.lookup_ngram + 1)}
             for estimator in self.lookup_rates.values():
                 estimator.cost, estimator.drafter_cost = costs, 0.0
@@ -359,6 +363,8 @@ class RoundController:
                 costs = self.lookup_rates[1].cost  # shared by every n-gram length
                 costs[round.proposed] = moving_cost(costs.get(round.proposed), seconds / sizes.step_seconds,
                                                     sizes.rates[0])
+                if self.lookup_memory is not None:
+                    self.lookup_memory.remember_size(round.proposed, costs[round.proposed])
         elif round.shadow:
             sizes.record_shadow_cost(seconds, typical)
         elif typical:

@@ -243,12 +243,14 @@ class DFlashCandidateGenerator(CandidateGenerator):
         ngram = generation_config.max_matching_ngram_size
         lookup_ngram = getattr(drafter, "prompt_lookup_ngram", 3) if ngram is None else ngram
         # Round costs in plain rounds are the process's, not the prompt's: start from what earlier calls measured.
-        memory = None
+        memory = lookup_memory = None
         if adaptive:
             key = round_cost_key("single", target, drafter, 1, self.block_size, generation_config.do_sample)
             memory = remembered_round_costs(drafter, key)
+            lookup_memory = remembered_round_costs(drafter, (*key, "prompt lookup"))
         self.controller = RoundController(
-            self.block_size, adaptive, lookup_ngram, DFlashStats(self.block_size), memory=memory
+            self.block_size, adaptive, lookup_ngram, DFlashStats(self.block_size), memory=memory,
+            lookup_memory=lookup_memory,
         )
         drafter.last_stats = self.controller.stats
         # Time the head's matmul forms now (once per process), not inside a round whose cost the controller measures.

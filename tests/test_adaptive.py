@@ -237,6 +237,39 @@ def test_lookup_continuation_is_judged_every_round_against_the_committed_tokens(
     assert controller.lookup_rates[1].observations[0] == 0  # other match lengths keep their own estimates
 
 
+def test_lookup_costs_are_remembered_across_calls_and_price_the_first_matches():
+    """A lookup size never timed is priced at a plain round (no drafter forward), so a call proposes its first
+    prompt-lookup matches on the prior acceptance; a lookup round timed in an earlier call prices them at what
+    verifying that many tokens cost, and a match no better than the prior is not proposed."""
+    from dflash_hf.controller_dflash import DraftRound, RoundCostMemory
+
+    memory, lookup_memory = RoundCostMemory(), RoundCostMemory()
+    ids = torch.tensor([[10, 11, 12, 13, 14, 20, 10, 11, 12]])  # "10 11 12" was followed by 13 14 20 10 ...
+
+    def call(**memories):
+        controller = RoundController(block_size=8, adaptive=True, lookup_ngram=3, stats=DFlashStats(8), **memories)
+        sizes = controller.sizes
+        sizes.record_cost(0, 1.0)  # the unit: one second a plain round
+        sizes.rounds, sizes.explored = 5, 10.0  # past the first round, no budget for shadow drafts
+        sizes.acceptance = [[0.0] * 7, [0.0] * 7]  # the drafter does not fit: plain unless lookup pays
+        return controller
+
+    first = call(memory=memory, lookup_memory=lookup_memory)
+    assert first.choose(ids, room=20).lookup.tolist() == [[13, 14, 20]]  # 3 lookup tokens at the prior p = 0.5
+    first.current.proposed = 3
+    first.record_round_cost(first.current, 2.0)  # verifying them took two plain rounds
+    assert lookup_memory.cost == {3: 2.0} and memory.cost == {}  # the lookup's costs are its own
+
+    second = call(memory=memory, lookup_memory=lookup_memory)
+    assert second.lookup_rates[1].cost == {0: 1.0, 3: 2.0}
+    assert all(estimator.cost is second.lookup_rates[1].cost for estimator in second.lookup_rates.values())
+    assert second.choose(ids, room=20).lookup is None  # 1.875 tokens for 2 plain rounds: decode plainly
+    assert call().choose(ids, room=20).lookup is not None  # without the memory it proposes them again
+    round = DraftRound(3, lookup=torch.tensor([[13, 14, 20]]), proposed=3)
+    second.record_round_cost(round, 2.6)
+    assert lookup_memory.cost[3] == pytest.approx(second.lookup_rates[1].cost[3]) and lookup_memory.cost[3] > 2.0
+
+
 # ---- settings per call ---------------------------------------------------------------------------------------
 
 
@@ -312,6 +345,9 @@ def test_lookup_rounds_are_lossless_and_commit_repeated_text(target):
         assert torch.equal(out, plain)
         committed = [a for a, lookup in zip(drafter.last_stats.acceptance_lengths, sources[1:]) if lookup]
         assert committed and max(committed) > 2, (seed, committed)
+    # the lookup rounds' costs stay with the drafter, apart from its own (the next calls start from them)
+    lookup_memory = [memory for key, memory in drafter.round_costs.items() if key[-1] == "prompt lookup"]
+    assert len(lookup_memory) == 1 and lookup_memory[0].cost and lookup_memory[0].calls == 3
 
 
 def test_prompt_lookup_off_and_fixed_blocks_never_look_up(target):

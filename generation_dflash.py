@@ -247,7 +247,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         if adaptive:
             key = round_cost_key("single", target, drafter, 1, self.block_size, generation_config.do_sample)
             memory = remembered_round_costs(drafter, key)
-            lookup_memory = remembered_round_costs(drafter, (*key, "prompt lookup"))
+            if lookup_ngram:
+                lookup_memory = remembered_round_costs(drafter, (*key, "prompt lookup"))
         self.controller = RoundController(
             self.block_size, adaptive, lookup_ngram, DFlashStats(self.block_size), memory=memory,
             lookup_memory=lookup_memory,

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main(table: str, out: str) -> None:
     runs = json.load(open(table))["runs"]
     blocks = [run["blocks"] / 1000 for run in runs]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     for dataset in runs[0]["tau"]:
         ax.plot(blocks, [run["tau"][dataset] for run in runs], marker="o", label=dataset)
     for x, run in zip(blocks, runs):
@@ -28,7 +28,7 @@ def main(table: str, out: str) -> None:
     ax.set_ylabel("tau at B = 16 (tokens per round)")
     ax.set_title("SmolLM2-135M-Instruct drafter across training runs")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: the latest run sits top right
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(out)

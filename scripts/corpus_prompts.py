@@ -7,7 +7,7 @@
 * ``code.jsonl``: the code requests among the prompts after the first 1,728 (ASCII, a programming word or code in the
   turn), in the same order (``corpora/*/code``). The cut stays at 1,728, where the ShareGPT corpus stood when the
   code corpus began, so that the file resumes the committed one; 150 of code prompts 0-191 are also ShareGPT
-  prompts 1,728-2,591 and 42 are ShareGPT prompts 2,592-3,071, whose answers are therefore in both corpora;
+  prompts 1,728-2,591 and 42 are ShareGPT prompts 2,592-3,263, whose answers are therefore in both corpora;
 * ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``);
 * ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to the first 96).
 

@@ -330,7 +330,7 @@ class RoundController:
         # Lookup acceptance per matched n-gram length (a 3-gram match continues the text far more often than a
         # 1-gram one); one table of lookup costs, in plain rounds (no drafter forward), serves them all.
         self.lookup_rates = None
-        self.lookup_memory = lookup_memory if self.lookup_ngram else None
+        self.lookup_memory = lookup_memory
         if self.lookup_ngram:
             costs = {0: 1.0, **(lookup_memory.recall()[0] if lookup_memory is not None else {})}
             self.lookup_rates = {n: DraftLengthController(block_size - 1) for n in range(1, self.lookup_ngram + 1)}

@@ -578,14 +578,14 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
         for i, prompt in enumerate(group):
             rows += 1
             start = prompt.input_ids.shape[1]  # each row without its left padding, as it would run alone
-            reference = torch.cat([prompt.input_ids, plain[i : i + 1].to(prompt.input_ids.device)], dim=-1)
-            output = torch.cat([prompt.input_ids, ours[i : i + 1].to(prompt.input_ids.device)], dim=-1)
+            prompt_ids = prompt.input_ids.to(plain.device)
+            reference = torch.cat([prompt_ids, plain[i : i + 1]], dim=-1)
+            output = torch.cat([prompt_ids, ours[i : i + 1]], dim=-1)
             position = first_difference(output, reference, start)
             rows_equal += position is None
             if position is not None and not options["do_sample"]:
                 exact = exact or float32_twin(target)
-                margin = divergence_margin(target, output.to(target.device), reference.to(target.device), start,
-                                           position, exact)
+                margin = divergence_margin(target, output, reference, start, position, exact)
                 partings.append({"group": index, "prompt_id": prompt.id, "position": position, **margin})
         if progress:
             print(f"batch {index + 1}/{len(groups)} done", flush=True)
@@ -607,7 +607,7 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
 def batch_report(result: dict) -> str:
     """A Markdown table of `run_batch_benchmark`'s summary."""
     s = result["summary"]
-    return "\n".join([
+    lines = [
         f"batch size {result['batch_size']}, {result['max_new_tokens']} new tokens, {result['repeats']} repeat(s), "
         f"{s['rows']} rows ({s['rows_equal']} identical to plain batched greedy), tau {s['tau']:.2f}",
         "",
@@ -617,10 +617,12 @@ def batch_report(result: dict) -> str:
           f"{s[m]['cpu_tok_s']:.1f} |" for m in ("greedy", "dflash")),
         "",
         f"speedup (DFlash / plain batched greedy): {s['speedup']:.2f}x wall, {s['cpu_speedup']:.2f}x CPU time",
-        *(["", "Rows that parted from plain batched greedy (generated index; float32 logit gap, reference token - ours, "
-               "and the dtype's error there; near-tie = within 4 x error of the float32 top logit): "
-               + "; ".join(map(parting_text, result.get("partings", [])))] if result.get("partings") else []),
-    ])
+    ]
+    if result.get("partings"):
+        lines += ["", "Rows that parted from plain batched greedy (generated index; float32 logit gap, reference "
+                      "token - ours, and the dtype's error there; near-tie = within 4 x error of the float32 top "
+                      "logit): " + "; ".join(map(parting_text, result["partings"]))]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------

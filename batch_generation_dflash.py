@@ -95,7 +95,8 @@ class BatchDraftLengthController(DraftLengthController):
       one round (the first decode step after the prefill, or one a neighbour slowed down) misprices every size for
       the rest of the call -- and a call that drafts from its third round on never times a plain round again. So the
       batch drafts only after ``unit_rounds`` plain rounds were timed (the unit starts at their median), and
-      decodes one round plainly after every ``refresh_every`` rounds without one (at most 1/16 of a drafting gain);
+      decodes one round plainly after every ``refresh_every`` rounds without one (as at batch 1,
+      `DraftLengthController`: at most 1/16 of a drafting gain);
     * **exploration pays for itself.** Drafted rounds are booked at what they realized, in plain rounds: their cost
       minus the tokens they committed per row (``drafting``; negative when drafting paid: a plain round commits one
       per row for a cost of one). A drafted round runs only while the drafter's whole bill in this call -- shadow
@@ -124,13 +125,13 @@ class BatchDraftLengthController(DraftLengthController):
     size it has not timed in `RoundCostMemory.forget_after` calls.
     """
 
-    unit_rounds, refresh_every = 3, 16
+    unit_rounds = 3
 
     def __init__(self, max_drafts: int, batch_size: int, memory: RoundCostMemory | None = None):
         super().__init__(max_drafts, memory=memory)
         self.batch_size = batch_size
         self.candidates = sorted(set(self.candidates) | ({1} if max_drafts > 1 else set()))
-        self.plain_timed, self.since_plain = 0, 0  # plain rounds timed; rounds since the last plain one
+        self.plain_timed = 0  # plain rounds timed
         self.drafting = 0.0  # what drafted rounds cost beyond what they committed, in plain rounds
         self.first_plain: list[float] = []  # the first `unit_rounds` plain rounds' seconds
         self.recalled = set(self.cost)  # sizes priced by the memory and not timed in this call yet
@@ -143,11 +144,10 @@ class BatchDraftLengthController(DraftLengthController):
         return self.explored + self.drafting + risk <= self.allowance + self.explore_share * self.rounds
 
     def choose(self) -> int:
-        wanted = super().choose()
-        if wanted and (self.plain_timed < self.unit_rounds or self.since_plain >= self.refresh_every
-                       or not self.affordable(wanted)):
-            wanted = 0  # plain, not a shadow (`DraftLengthController.choose` sets `shadow` only for plain rounds)
-        self.since_plain = 0 if wanted == 0 and not self.shadow else self.since_plain + 1
+        wanted = super().choose()  # a plain round after `refresh_every` drafted ones
+        if wanted and (self.plain_timed < self.unit_rounds or not self.affordable(wanted)):
+            # plain, not a shadow (`DraftLengthController.choose` sets `shadow` only for plain rounds)
+            wanted = self.since_plain = 0
         return wanted
 
     def record_acceptance(self, judged: int, accepted: int) -> None:

@@ -150,10 +150,22 @@ class DraftLengthController:
     rounds up front (the first round, whose drafter forward reads the prompt, is a shadow) plus ``explore_share`` of
     the rounds decoded since. A drafter that never fits the text thus costs at most that share of plain decoding, and
     one that starts to fit it is noticed within ``c / explore_share`` rounds (``c``: a drafter forward in plain rounds).
+    A shadow round is priced by its drafter forward, timed on its own (`ForwardTimer`), and the rest of it is a plain
+    round that keeps the unit current: priced as the round's excess over a plain-round average instead, a drafter
+    forward looks free whenever that average runs high (stale, after a slow stretch), its price decays towards 0, and
+    every round becomes a shadow -- a trap measured on held-out MT-Bench (104 shadows in 126 rounds, fp32 CPU).
+
+    The unit itself must not run high: against a plain-round time set too high, drafted rounds look cheap, the call
+    drafts every round, and no plain round is left to correct it. So the unit is a running mean of its first
+    ``1 / fast_rate`` samples (one slow first decode step counts as one sample among five, not as the estimate) before
+    it becomes a moving average, and after ``refresh_every`` drafted rounds in a row one is decoded plainly (at most
+    1/16 of a drafting gain).
 
     With a ``memory`` (`RoundCostMemory`) the costs start where earlier calls left them and every measured one is
     written back to it; the plain round is still timed first in every call.
     """
+
+    refresh_every = 16
 
     # A drafter forward, in plain rounds, until a shadow round measures it (fp32 SmolLM2 on an AVX2 EPYC: 0.3-0.5).
     assumed_drafter_cost = 0.5
@@ -171,7 +183,8 @@ class DraftLengthController:
         self.drafter_cost: float | None = None  # a drafter forward, in plain rounds (from shadow rounds)
         self.explore_share, self.allowance, self.margin = explore_share, allowance, margin
         self.rounds, self.explored = 0, 0.0  # rounds chosen; plain rounds spent on shadow drafts
-        self.unpriced: list[tuple[float, bool]] = []  # shadow rounds timed before any plain round
+        self.since_plain = 0  # drafted rounds since the last one that timed the unit
+        self.unit_samples = 0  # plain rounds timed
         self.shadow = False  # set by `choose`: draft without proposing, to judge draft 1
         self.memory = memory
         if memory is not None:  # never cost[0]: "measured" means this call has timed its unit
@@ -207,8 +220,12 @@ class DraftLengthController:
         if first or 0 not in self.cost:  # then plain decoding: every other cost is a multiple of it
             return self._charge_shadow()
         best = self.best() or self.best(slow=True)
-        if best > 0:
+        if best > 0 and self.since_plain < self.refresh_every:
+            self.since_plain += 1
             return best
+        self.since_plain = 0
+        if best > 0:  # a plain round re-times the unit
+            return 0
         self.shadow = self.explored + self.shadow_price() <= self.allowance + self.explore_share * self.rounds
         return self._charge_shadow()
 
@@ -242,28 +259,31 @@ class DraftLengthController:
         self.judged = max(self.judged, judged)
 
     def record_cost(self, proposed: int, seconds: float) -> None:
-        """A round that proposed ``proposed`` drafts took ``seconds``: plain rounds update the plain-round time,
-        drafted ones their cost in plain rounds (`moving_cost`)."""
+        """A round that proposed ``proposed`` drafts took ``seconds``: plain rounds update the plain-round time (a
+        running mean of the first samples, then `moving_cost`), drafted ones their cost in plain rounds."""
         if proposed == 0:
-            self.step_seconds = moving_cost(self.step_seconds, seconds, self.rates[0])
+            self.unit_samples += 1
+            if self.unit_samples * self.rates[0] <= 1:
+                previous = self.step_seconds or 0.0
+                self.step_seconds = previous + (seconds - previous) / self.unit_samples
+            else:
+                self.step_seconds = moving_cost(self.step_seconds, seconds, self.rates[0])
             self.cost[0] = 1.0
-            unpriced, self.unpriced = self.unpriced, []
-            for shadow_seconds, typical in unpriced:
-                self.record_shadow_cost(shadow_seconds, typical)
         elif proposed in self.candidates and self.step_seconds:
             self.cost[proposed] = moving_cost(self.cost.get(proposed), seconds / self.step_seconds, self.rates[0])
             if self.memory is not None:
                 self.memory.remember_size(proposed, self.cost[proposed])
 
-    def record_shadow_cost(self, seconds: float, typical: bool = True) -> None:
-        """A shadow round took ``seconds``: what it cost beyond a plain round replaces its expected price in the
-        exploration budget, and, when ``typical`` (its drafter forward read no more than a block of new context),
-        measures the drafter forward. Callers that do not time shadow rounds leave the expected price charged."""
-        if not self.step_seconds:  # priced at the first plain round
-            self.unpriced.append((seconds, typical))
+    def record_shadow_cost(self, seconds: float, drafter_seconds: float, typical: bool = True) -> None:
+        """A shadow round took ``seconds``, ``drafter_seconds`` of them in its drafter forward: the rest is a plain
+        round (`record_cost`), and the forward, in plain rounds, replaces the round's expected price in the
+        exploration budget and, when ``typical`` (it read no more than a block of new context), measures a drafter
+        forward. Callers that do not time shadow rounds leave the expected price charged."""
+        self.record_cost(0, max(seconds - drafter_seconds, 0.0))
+        if not self.step_seconds:
             return
         charged = self.shadow_price()
-        extra = max(seconds / self.step_seconds - 1.0, 0.0)
+        extra = drafter_seconds / self.step_seconds
         if typical:
             self.drafter_cost = moving_cost(self.drafter_cost, extra, self.rates[0])
             if self.memory is not None:
@@ -280,6 +300,34 @@ def moving_cost(previous: float | None, sample: float, rate: float) -> float:
     return previous + rate * (min(sample, 2 * previous) - previous)
 
 
+class ForwardTimer:
+    """How long a stretch of work on ``device`` took, read after the round that ran it: wall time on a CPU; on a
+    CUDA device a pair of events, since its kernels run asynchronously (read once the verify step has synchronised
+    the host, they cost no synchronisation of their own)."""
+
+    def __init__(self, device: torch.device):
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if device.type == "cuda" else None
+        self.started = self.elapsed = 0.0
+
+    def __enter__(self) -> "ForwardTimer":
+        if self.events is not None:
+            self.events[0].record()
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.elapsed = time.perf_counter() - self.started
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.elapsed
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1000.0
+
+
 @dataclass
 class DraftRound:
     """One round, planned by `RoundController.choose` and kept by it until the target has verified the round.
@@ -288,7 +336,8 @@ class DraftRound:
     draft 1; ``continuation``: the prompt-lookup continuation ``[k]`` found this round after a ``match``-token n-gram
     (judged against the committed tokens whether proposed or not), and ``lookup``: its first tokens ``[1, k']`` when proposed instead of the drafter's
     block. The draft phase fills ``drafts [1, M]`` (the drafter's, one more than proposed where the block has it, for
-    the controller) and ``context_read`` (new context positions its forward read); trimming fills ``proposed``.
+    the controller), ``context_read`` (new context positions its forward read) and ``drafter_time`` (how long that
+    forward took); trimming fills ``proposed``.
     """
 
     num_drafts: int
@@ -298,6 +347,7 @@ class DraftRound:
     lookup: torch.LongTensor | None = None
     drafts: torch.LongTensor | None = None
     context_read: int = 0
+    drafter_time: "ForwardTimer | None" = None
     proposed: int = 0
 
     @property
@@ -366,7 +416,7 @@ class RoundController:
                 if self.lookup_memory is not None:
                     self.lookup_memory.remember_size(round.proposed, costs[round.proposed])
         elif round.shadow:
-            sizes.record_shadow_cost(seconds, typical)
+            sizes.record_shadow_cost(seconds, round.drafter_time.seconds(), typical)
         elif typical:
             sizes.record_cost(round.proposed, seconds)
 

@@ -40,7 +40,9 @@ from transformers.generation import GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .controller_dflash import DFlashStats, DraftRound, RoundController, remembered_round_costs, round_cost_key
+from .controller_dflash import (
+    DFlashStats, DraftRound, ForwardTimer, RoundController, remembered_round_costs, round_cost_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -311,9 +313,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         position_ids = torch.arange(self.cache.get_seq_length(), anchor + self.block_size, device=device)[None]
         block_ids = torch.cat([input_ids[:, -1:], self.mask_ids], dim=-1)
         num_rows = min(round.num_drafts + 1, self.block_size - 1)
-        drafts, draft_logits = self.draft_head(
-            block_ids, context, position_ids, self.cache, num_rows, self.temperature, self._draft_warp(input_ids)
-        )
+        with ForwardTimer(device) as round.drafter_time:
+            drafts, draft_logits = self.draft_head(
+                block_ids, context, position_ids, self.cache, num_rows, self.temperature, self._draft_warp(input_ids)
+            )
         round.context_read = context.shape[1]
         if draft_logits is not None:
             # The controller judges the draft after the proposals (and a shadow round's only draft) by equality with

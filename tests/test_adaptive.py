@@ -30,7 +30,7 @@ def simulate(costs, acceptance, rounds=300, seed=0, **controller_options):
         judged = min(min(hits, k) + 1, drafted)  # up to the first rejection; draft k+1 by the target's own token
         controller.record_acceptance(judged, min(hits, judged))
         if shadow:  # a plain round plus a drafter forward
-            controller.record_shadow_cost(costs[0] + SHADOW)
+            controller.record_shadow_cost(costs[0] + SHADOW, SHADOW)
         else:
             controller.record_cost(k, costs[k])
         choices.append("s" if shadow else k)
@@ -53,8 +53,8 @@ CPU_FP32 = {0: 1.0, 3: 1.6, 7: 1.75, 15: 2.15}
 def test_useless_drafter_falls_back_to_plain_decoding_with_shadow_probes_within_the_budget():
     controller_options = dict(explore_share=0.015, allowance=1.0)
     choices = simulate(CPU_FP32, acceptance=0.0, **controller_options)
-    # a shadow first round (the drafter reads the prompt), then a plain round measures the unit of every cost
-    assert choices[:2] == ["s", 0]
+    # a shadow first round: the drafter reads the prompt, and the rest of the round measures the unit of every cost
+    assert choices[0] == "s"
     assert sum(k not in (0, "s") for k in choices) <= 1  # at most one short draft on the first judgement's evidence
     shadows = choices.count("s")
     # shadow drafts spend the allowance and 1.5 % of the rounds: a drafter forward (SHADOW) every ~17 rounds
@@ -68,15 +68,65 @@ def test_exploration_budget_follows_the_measured_drafter_cost():
     cheap = simulate(CPU_FP32 | {0: 1.0}, acceptance=0.0, rounds=400)
     costly_controller = DraftLengthController(max_drafts=15)
     costly_controller.record_cost(0, 1.0)
-    costly_controller.record_shadow_cost(2.0)
+    costly_controller.record_shadow_cost(2.0, 1.0)
     assert costly_controller.drafter_cost == pytest.approx(1.0)
     assert costly_controller.shadow_price() == pytest.approx(1.0)
     assert cheap.count("s") > 3
 
 
+def test_a_slow_stretch_before_the_shadow_rounds_does_not_make_the_drafter_forward_look_free():
+    """A plain round timed in a slow stretch (a neighbour busy, a stall) leaves the unit high. A shadow round priced by
+    its excess over that unit would measure the drafter forward at 0, charge nothing, and every round would become a
+    shadow that never updates the unit; timed on its own, the forward keeps its price and the shadows their budget."""
+    controller = DraftLengthController(max_drafts=15)
+    controller.record_cost(0, 1.3)
+    shadows = 0
+    choices = []
+    for _ in range(300):
+        k = controller.choose()
+        choices.append(k)
+        if controller.shadow:
+            shadows += 1
+            controller.record_acceptance(1, 0)
+            controller.record_shadow_cost(1.0 + SHADOW, SHADOW)
+        else:  # the drafter never fits
+            controller.record_acceptance(1 if k else 0, 0)
+            controller.record_cost(k, CPU_FP32[k])
+    assert sum(k > 0 for k in choices) <= 1  # at most one short draft on the first judgement's evidence
+    assert controller.step_seconds == pytest.approx(1.0, rel=1e-3)  # shadow rounds' plain part updates the unit too
+    assert controller.drafter_cost == pytest.approx(SHADOW, rel=0.01)
+    assert shadows * SHADOW <= 1.0 + 0.015 * 300 + SHADOW
+
+
 def test_perfect_drafter_uses_the_whole_block():
     choices = simulate(CPU_FP32, acceptance=1.0)
-    assert set(choices[12:]) == {15}  # climbs to the whole block within a few rounds
+    assert set(choices[12:]) == {15, 0}  # climbs to the whole block within a few rounds
+    # and re-times the unit with one plain round after every 16 drafted ones, never two in a row
+    runs = "".join("p" if k == 0 else "d" for k in choices[12:]).split("p")
+    assert all(len(run) <= 16 for run in runs) and all(runs[1:-1]) and choices.count(0) <= 300 / 17 + 3
+
+
+def test_a_unit_timed_in_a_slow_stretch_does_not_make_drafting_look_cheap_for_long():
+    """Against a plain-round time set too high (the first decode round after the prefill, a neighbour), drafted
+    rounds look cheap: a drafter that commits 1.3 tokens a round at 1.6 plain rounds would be chosen every round, and
+    no plain round would correct the unit. A plain round re-times it after 16 drafted ones, and the first samples
+    count alike, so the unit comes down and drafting stops."""
+    controller = DraftLengthController(max_drafts=15)
+    controller.record_cost(0, 2.0)  # the unit, timed in a slow stretch: twice a plain round
+    controller.cost.update({3: 1.6 / 2.0, 7: 1.75 / 2.0, 15: 2.15 / 2.0})  # drafted sizes timed against it
+    controller.rounds = 1
+    choices = []
+    for _ in range(150):
+        k = controller.choose()
+        choices.append(k)
+        if k:  # draft 1 accepted in every third round, never draft 2: tau ~ 1.3
+            controller.record_acceptance(*((2, 1) if len(choices) % 3 == 0 else (1, 0)))
+            controller.record_cost(k, CPU_FP32[k])
+        else:
+            controller.record_cost(0, 1.0)
+    assert choices.index(0) <= 16
+    assert controller.step_seconds < 1.05 and controller.cost[3] > 1.2  # priced closer to right (1.6),
+    assert sum(k > 0 for k in choices[-30:]) == 0  # drafting stops
 
 
 def test_costly_long_verify_picks_the_block_size_with_most_tokens_per_second():
@@ -93,12 +143,15 @@ CPU_BF16 = {0: 1.0, 3: 1.3, 7: 1.45, 15: 1.75}
 def test_good_drafter_with_rejection_streaks_keeps_drafting(seed):
     # p = 0.5: E[3] = 1.94 tokens for 1.3 -> 1.49x; plain decoding never wins, but 4+ rejections in a row happen.
     choices = simulate(CPU_BF16, acceptance=0.5, seed=seed)
-    assert choices[10:].count(0) <= 3
+
+    def undrafted(rounds):  # rounds after the 10th that decode plainly, besides the unit's refresh after 16 drafted
+        refresh = DraftLengthController.refresh_every
+        return sum(k in (0, "s") and not all(j not in (0, "s") for j in rounds[i - refresh : i])
+                   for i, k in enumerate(rounds) if i >= 10)
+
+    assert undrafted(choices) <= 3
     # the same controller judging only on the fast estimate quits on streaks (what the slow estimate prevents)
     fast_only = simulate(CPU_BF16, acceptance=0.5, seed=seed, slow_rate=0.2)
-
-    def undrafted(rounds):
-        return sum(k in (0, "s") for k in rounds[10:])
 
     assert undrafted(fast_only) > undrafted(choices)
     assert round_cost(CPU_BF16, choices) > 1.2  # it drafts (and pays for it)
@@ -161,7 +214,7 @@ def test_adaptive_generation_is_lossless(target, block_size):
         del drafter.make_candidate_generator
 
 
-def test_shadow_rounds_decode_plainly_judge_one_draft_and_are_not_timed(target, monkeypatch):
+def test_shadow_rounds_decode_plainly_judge_one_draft_and_time_their_drafter_forward_apart(target, monkeypatch):
     drafter = tiny_drafter(target, block_size=4, adaptive=True)
     controllers = []
 
@@ -178,7 +231,9 @@ def test_shadow_rounds_decode_plainly_judge_one_draft_and_are_not_timed(target, 
     assert drafter.last_stats.proposed_lengths == [0] * rounds and rounds == 11
     controller = controllers[-1]
     assert controller.observations[:2] == [rounds, 0]  # every round judged draft 1, never draft 2
-    assert controller.cost == {}  # shadow rounds cost neither what plain nor what drafted rounds cost
+    # a shadow round is a plain round (the unit) plus a drafter forward, timed on its own: no drafted size is priced
+    assert controller.cost == {0: 1.0} and controller.step_seconds > 0
+    assert 0 < controller.drafter_cost < 50  # typical forwards timed (not the prompt's), in plain rounds
 
 
 def test_context_deferred_over_plain_rounds_reaches_the_drafter_exactly(target, monkeypatch):
@@ -409,10 +464,16 @@ def test_a_second_single_sequence_call_starts_from_the_first_calls_round_costs(t
 
     monkeypatch.setattr(controller_dflash, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(target, "forward", timed_forward)
-    real_draft = DFlashCandidateGenerator.draft_block
+    real_draft, draft_forward = DFlashCandidateGenerator.draft_block, drafter.forward
+
+    @functools.wraps(draft_forward)
+    def timed_draft_forward(*args, **kwargs):
+        clock[0] += 0.3
+        return draft_forward(*args, **kwargs)
+
+    monkeypatch.setattr(drafter, "forward", timed_draft_forward)
 
     def perfect(self, input_ids, round):  # the drafter runs; its drafts are the greedy continuation, all accepted
-        clock[0] += 0.3
         real_draft(self, input_ids, round)
         start = input_ids.shape[1]
         round.drafts = plain[:, start : start + min(round.num_drafts + 1, self.block_size - 1)]

@@ -79,6 +79,12 @@ def test_phases_add_up_and_cost_model_bounds_the_speedup(greedy_result):
     dflash = rows[("all", "dflash")]
     assert dflash["c"] > 0 and dflash["r_block"] is not None and dflash["ceiling"] > dflash["predicted_speedup"]
     assert greedy_result["verify_curve"]["r"][1] == 1.0
+    # the spread of speedups paired run by run with plain greedy on the same prompt in the same repeat
+    assert rows[("all", "greedy")]["speedup_range"] == [1.0, 1.0]
+    plain = {(r["prompt_id"], r["repeat"]): r["decode_tok_s"] for r in greedy_result["runs"] if r["method"] == "greedy"}
+    paired = [r["decode_tok_s"] / plain[r["prompt_id"], r["repeat"]] for r in greedy_result["runs"]
+              if r["method"] == "dflash"]
+    assert len(paired) == dflash["runs"] and dflash["speedup_range"] == [min(paired), max(paired)]
 
 
 def test_report_writes_json_markdown_and_plots_that_round_trip(greedy_result, tmp_path):

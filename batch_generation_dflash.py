@@ -146,8 +146,7 @@ class BatchDraftLengthController(DraftLengthController):
     def choose(self) -> int:
         wanted = super().choose()  # a plain round after `refresh_every` drafted ones
         if wanted and (self.plain_timed < self.unit_rounds or not self.affordable(wanted)):
-            # plain, not a shadow (`DraftLengthController.choose` sets `shadow` only for plain rounds)
-            wanted = self.since_plain = 0
+            wanted = 0  # plain, not a shadow (`DraftLengthController.choose` sets `shadow` only for plain rounds)
         return wanted
 
     def record_acceptance(self, judged: int, accepted: int) -> None:

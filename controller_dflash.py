@@ -158,8 +158,8 @@ class DraftLengthController:
     The unit itself must not run high: against a plain-round time set too high, drafted rounds look cheap, the call
     drafts every round, and no plain round is left to correct it. So the unit is a running mean of its first
     ``1 / fast_rate`` samples (one slow first decode step counts as one sample among five, not as the estimate) before
-    it becomes a moving average, and after ``refresh_every`` drafted rounds in a row one is decoded plainly (at most
-    1/16 of a drafting gain).
+    it becomes a moving average, and after ``refresh_every`` rounds that did not time it (drafted or looked up) one is
+    decoded plainly (at most 1/16 of a drafting gain).
 
     With a ``memory`` (`RoundCostMemory`) the costs start where earlier calls left them and every measured one is
     written back to it; the plain round is still timed first in every call.
@@ -183,7 +183,8 @@ class DraftLengthController:
         self.drafter_cost: float | None = None  # a drafter forward, in plain rounds (from shadow rounds)
         self.explore_share, self.allowance, self.margin = explore_share, allowance, margin
         self.rounds, self.explored = 0, 0.0  # rounds chosen; plain rounds spent on shadow drafts
-        self.since_plain = 0  # drafted rounds since the last one that timed the unit
+        self.since_plain = 0  # rounds since the last one that timed the unit
+        self.refreshing = False  # set by `choose`: a plain round that re-times the unit (nothing else proposed)
         self.unit_samples = 0  # plain rounds timed
         self.shadow = False  # set by `choose`: draft without proposing, to judge draft 1
         self.memory = memory
@@ -215,17 +216,17 @@ class DraftLengthController:
     def choose(self) -> int:
         """Drafts to propose next round; sets ``shadow`` for a plain round that should judge a draft anyway."""
         self.rounds += 1
+        self.since_plain += 1
         first = self.rounds == 1
         self.shadow = first  # the first round: the drafter reads the prompt and is judged once
         if first or 0 not in self.cost:  # then plain decoding: every other cost is a multiple of it
             return self._charge_shadow()
-        best = self.best() or self.best(slow=True)
-        if best > 0 and self.since_plain < self.refresh_every:
-            self.since_plain += 1
-            return best
-        self.since_plain = 0
-        if best > 0:  # a plain round re-times the unit
+        self.refreshing = self.since_plain > self.refresh_every
+        if self.refreshing:
             return 0
+        best = self.best() or self.best(slow=True)
+        if best > 0:
+            return best
         self.shadow = self.explored + self.shadow_price() <= self.allowance + self.explore_share * self.rounds
         return self._charge_shadow()
 
@@ -262,7 +263,7 @@ class DraftLengthController:
         """A round that proposed ``proposed`` drafts took ``seconds``: plain rounds update the plain-round time (a
         running mean of the first samples, then `moving_cost`), drafted ones their cost in plain rounds."""
         if proposed == 0:
-            self.unit_samples += 1
+            self.unit_samples, self.since_plain = self.unit_samples + 1, 0
             if self.unit_samples * self.rates[0] <= 1:
                 previous = self.step_seconds or 0.0
                 self.step_seconds = previous + (seconds - previous) / self.unit_samples
@@ -448,7 +449,7 @@ class RoundController:
             return None
         round.continuation, round.match = match
         sizes, estimator = self.sizes, self.lookup_rates[round.match]
-        if round.shadow or 0 not in sizes.cost:  # plain cost not measured yet
+        if round.shadow or sizes.refreshing or 0 not in sizes.cost:  # a round for the drafter or the unit
             return None
         # Both estimates must agree: a lookup hit is often a lone word the answer shares with the prompt, after which
         # the fast estimate alone would propose, and lose, the next round; copying streaks convince both quickly.

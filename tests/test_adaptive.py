@@ -325,6 +325,29 @@ def test_lookup_costs_are_remembered_across_calls_and_price_the_first_matches():
     assert lookup_memory.cost[3] == pytest.approx(second.lookup_rates[1].cost[3]) and lookup_memory.cost[3] > 2.0
 
 
+def test_a_call_that_copies_the_prompt_every_round_still_re_times_the_unit():
+    """Lookup rounds time no plain round either: after 16 rounds without one, a round decodes plainly (not looked
+    up, not drafted), and its time moves the unit."""
+    controller = RoundController(block_size=8, adaptive=True, lookup_ngram=3, stats=DFlashStats(8))
+    sizes = controller.sizes
+    sizes.rounds, sizes.explored = 5, 10.0  # past the first round, no budget for shadow drafts
+    sizes.record_cost(0, 2.0)  # the unit, timed in a slow stretch
+    sizes.acceptance = [[0.0] * 7, [0.0] * 7]  # the drafter does not fit; the answer copies the prompt
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12]])
+    for estimator in controller.lookup_rates.values():
+        estimator.acceptance = [[1.0] * 7, [1.0] * 7]
+        estimator.judged = 7
+    controller.lookup_rates[1].cost.update({7: 1.5})
+    kinds = []
+    for _ in range(40):
+        round = controller.choose(ids, room=20)
+        round.proposed = round.lookup.shape[1] if round.lookup is not None else 0
+        kinds.append("lookup" if round.lookup is not None else "plain")
+        controller.record_round_cost(round, 1.5 if round.proposed else 1.0)
+    assert kinds == (["lookup"] * 16 + ["plain"]) * 2 + ["lookup"] * 6
+    assert sizes.step_seconds == pytest.approx(4.0 / 3)  # (2.0 + 1.0 + 1.0) / 3: the running mean of its samples
+
+
 # ---- settings per call ---------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ def main(table: str, out: str) -> None:
     fig, ax = plt.subplots(figsize=(8.5, 4))
     for dataset in runs[0]["tau"]:
         ax.plot(blocks, [run["tau"][dataset] for run in runs], marker="o", label=dataset)
+    ax.margins(x=0.08)  # room for the last run's label
     for x, run in zip(blocks, runs):
         ax.annotate(run["name"].split(":")[0], (x, ax.get_ylim()[0]), textcoords="offset points", xytext=(2, 4),
                     fontsize=8)

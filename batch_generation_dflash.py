@@ -144,7 +144,7 @@ class BatchDraftLengthController(DraftLengthController):
         return self.explored + self.drafting + risk <= self.allowance + self.explore_share * self.rounds
 
     def choose(self) -> int:
-        wanted = super().choose()  # a plain round after `refresh_every` drafted ones
+        wanted = super().choose()  # plain after `refresh_every` rounds that did not time the unit
         if wanted and (self.plain_timed < self.unit_rounds or not self.affordable(wanted)):
             wanted = 0  # plain, not a shadow (`DraftLengthController.choose` sets `shadow` only for plain rounds)
         return wanted

@@ -153,7 +153,7 @@ class DraftLengthController:
     A shadow round is priced by its drafter forward, timed on its own (`ForwardTimer`), and the rest of it is a plain
     round that keeps the unit current: priced as the round's excess over a plain-round average instead, a drafter
     forward looks free whenever that average runs high (stale, after a slow stretch), its price decays towards 0, and
-    every round becomes a shadow -- a trap measured on held-out MT-Bench (104 shadows in 126 rounds, fp32 CPU).
+    every round becomes a shadow (docs/controller.md).
 
     The unit itself must not run high: against a plain-round time set too high, drafted rounds look cheap, the call
     drafts every round, and no plain round is left to correct it. So the unit is a running mean of its first
@@ -348,7 +348,7 @@ class DraftRound:
     lookup: torch.LongTensor | None = None
     drafts: torch.LongTensor | None = None
     context_read: int = 0
-    drafter_time: "ForwardTimer | None" = None
+    drafter_time: ForwardTimer | None = None
     proposed: int = 0
 
     @property

@@ -65,7 +65,8 @@ inputs = encode_chat(tokenizer, record["turns"])
 timed(assistant_model=drafter)  # warm-up: the head's matmul forms, the first round costs
 for call in range(calls):
     plain_seconds, plain = timed()
-    rounds.clear(), shadow_costs.clear(), unit_samples.clear(), controllers.clear()
+    for log in (rounds, shadow_costs, unit_samples, controllers):
+        log.clear()
     dflash_seconds, output = timed(assistant_model=drafter)
     kinds = collections.defaultdict(lambda: [0, 0, 0])
     for kind, proposed, accepted in rounds:

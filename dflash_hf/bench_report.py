@@ -31,13 +31,14 @@ def summarize(records: list[dict], verify_curve: dict | None = None) -> list[dic
     rows = []
     for dataset in datasets:
         subset = [r for r in records if dataset in ("all", r["dataset"])]
-        by_method = [_summarize_method(dataset, m, [r for r in subset if r["method"] == m]) for m in methods]
+        runs = {m: [r for r in subset if r["method"] == m] for m in methods}
+        by_method = [_summarize_method(dataset, m, runs[m]) for m in methods]
         by_method = [row for row in by_method if row is not None]
         greedy = next((row for row in by_method if row["method"] == "greedy"), None)
-        plain = {(r["prompt_id"], r["repeat"]): r["decode_tok_s"] for r in subset if r["method"] == "greedy"}
+        plain = {(r["prompt_id"], r["repeat"]): r["decode_tok_s"] for r in runs.get("greedy", [])}
         for row in by_method:
             row["speedup"] = row["decode_tok_s"] / greedy["decode_tok_s"] if greedy else None
-            paired = _paired_speedups([r for r in subset if r["method"] == row["method"]], plain)
+            paired = _paired_speedups(runs[row["method"]], plain)
             row["speedup_range"] = [min(paired), max(paired)] if paired else None
             if verify_curve is not None:
                 row.update(_cost_model(row, greedy, verify_curve))
@@ -48,8 +49,8 @@ def summarize(records: list[dict], verify_curve: dict | None = None) -> list[dic
 def _paired_speedups(runs, plain: dict) -> list[float]:
     """Each run's decode speed over plain greedy's on the same prompt in the same repeat (interleaved with it, so
     both saw the same machine): their spread is the run-to-run noise a speedup is read against."""
-    keys = [(r["prompt_id"], r["repeat"]) for r in runs]
-    return [r["decode_tok_s"] / plain[key] for r, key in zip(runs, keys) if key in plain]
+    return [r["decode_tok_s"] / plain[r["prompt_id"], r["repeat"]]
+            for r in runs if (r["prompt_id"], r["repeat"]) in plain]
 
 
 def _summarize_method(dataset, method, runs) -> dict | None:
@@ -160,8 +161,8 @@ def render_markdown(result: dict) -> str:
             f"| {row['dataset']} | {row['method']} | {row['decode_tok_s']:.1f} | {1e3 * row['ttft_s']:.0f} | "
             f"{_fmt(row['speedup'], '.2f', '×')} | {spread} | {row['tau']:.2f} | "
             f"{row['identical_prompts']}/{row['num_prompts']} | {phases} | {_fmt(row.get('r_in_run'))} | "
-            f"{_fmt(row.get('predicted_speedup'), '.2f', '×')} | {_fmt(row.get('predicted_speedup_with_o'), '.2f', '×')} | "
-            f"{_fmt(row.get('ceiling'), '.2f', '×')} |"
+            f"{_fmt(row.get('predicted_speedup'), '.2f', '×')} | "
+            f"{_fmt(row.get('predicted_speedup_with_o'), '.2f', '×')} | {_fmt(row.get('ceiling'), '.2f', '×')} |"
         )
     lines += _divergence_lines(result["summary"], result["config"].get("temperature"))
     curve = result.get("verify_curve")

@@ -185,13 +185,14 @@ class DFlashBatchStats(DFlashStats):
 
     ``rows[i]`` is a `DFlashStats` of row ``i`` alone (its rounds: tokens committed, drafts proposed); the inherited
     lists and properties pool every row's rounds (``mean_acceptance_length`` is tau over all rows).
-    ``num_batch_rounds`` counts the verify forwards of the batch.
+    ``num_batch_rounds`` counts the verify forwards of the batch, ``num_drafted_batch_rounds`` those that verified
+    drafts (shadow rounds, which run the drafter but propose nothing, are not among them).
     """
 
     def __init__(self, block_size: int, batch_size: int):
         super().__init__(block_size)
         self.rows = [DFlashStats(block_size) for _ in range(batch_size)]
-        self.num_batch_rounds = 0
+        self.num_batch_rounds = self.num_drafted_batch_rounds = 0
 
     def record_row(self, row: int, proposed: int, committed: int) -> None:
         self.rows[row].record(proposed, committed)
@@ -390,6 +391,7 @@ class BatchedDFlashLoop:
         kept = self._commit(committed, accepted, active)
         self._after_round(features, accepted, limits, active)
         self.stats.num_batch_rounds += 1
+        self.stats.num_drafted_batch_rounds += num_drafts > 0
         for row in active.nonzero().flatten().tolist():
             self.stats.record_row(int(self.row_ids[row]), int(limits[row]), int(kept[row]))
         if self.controller is not None:

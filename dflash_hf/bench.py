@@ -537,7 +537,8 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
     ``batch_size`` consecutive prompts, interleaved (order rotated per repeat, one untimed warm-up call each).
 
     Returns ``{"batch_size", "runs": [...], "summary": {method: {"tokens", "seconds", "tok_s", "cpu_seconds",
-    "cpu_tok_s"}, "speedup", "cpu_speedup", "rows_equal", "rows", "tau"}, "partings": [...]}``; ``rows_equal`` counts
+    "cpu_tok_s"}, "speedup", "cpu_speedup", "rows_equal", "rows", "tau", "rounds", "drafted_rounds"}, "partings":
+    [...]}``; DFlash's runs carry `round_counts` too, and the summary their sums. ``rows_equal`` counts
     DFlash rows identical to plain batched greedy's, and ``partings`` says where each other row parted from it (greedy
     only: ``{"group", "prompt_id", "position", "gap", "error", "near_tie"}``, `divergence_margin` on the row without
     its padding). ``cpu_*`` use the process's CPU time, which a busy neighbour on the same core distorts less than
@@ -548,7 +549,7 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
     options = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
     methods = {"greedy": {}, "dflash": dict(assistant_model=drafter, **(generate_kwargs or {}))}
     groups = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    runs, rows_equal, rows, taus, partings = [], 0, 0, [], []
+    runs, rows_equal, rows, partings = [], 0, 0, []
     warm, exact = False, None
     for index, group in enumerate(groups):
         ids, mask = left_pad([p.input_ids for p in group], pad_token_id)
@@ -571,7 +572,7 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
                 runs.append({"group": index, "repeat": repeat, "method": name, "tokens": tokens, "seconds": seconds,
                              "cpu_seconds": cpu_seconds})
                 if name == "dflash":
-                    taus.append(drafter.last_stats.mean_acceptance_length)
+                    runs[-1].update(round_counts(drafter.last_stats))
         width = ids.shape[1]
         n = min(outputs["greedy"].shape[1], outputs["dflash"].shape[1]) - width
         plain, ours = outputs["greedy"][:, width : width + n], outputs["dflash"][:, width : width + n]
@@ -599,9 +600,21 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
     for key, rate in (("speedup", "tok_s"), ("cpu_speedup", "cpu_tok_s")):
         base = summary["greedy"][rate]
         summary[key] = summary["dflash"][rate] / base if base else 0.0
-    summary.update(rows_equal=rows_equal, rows=rows, tau=statistics.fmean(taus) if taus else 0.0)
+    ours = [r for r in runs if r["method"] == "dflash"]
+    summary.update(rows_equal=rows_equal, rows=rows, tau=statistics.fmean(r["tau"] for r in ours) if ours else 0.0,
+                   rounds=sum(r["rounds"] for r in ours), drafted_rounds=sum(r["drafted_rounds"] for r in ours))
     return {"batch_size": batch_size, "max_new_tokens": max_new_tokens, "repeats": repeats, "runs": runs,
             "summary": summary, "partings": partings, "machine": machine_info(target.dtype)}
+
+
+def round_counts(stats) -> dict:
+    """``{"rounds", "drafted_rounds", "tau"}`` of one DFlash ``generate`` call: its verify forwards (of the whole
+    batch) and how many of them verified drafts; a batch of one runs the single-sequence path (`DFlashStats`)."""
+    if hasattr(stats, "num_batch_rounds"):
+        rounds, drafted = stats.num_batch_rounds, stats.num_drafted_batch_rounds
+    else:
+        rounds, drafted = stats.num_rounds, sum(proposed > 0 for proposed in stats.proposed_lengths)
+    return {"rounds": rounds, "drafted_rounds": drafted, "tau": stats.mean_acceptance_length}
 
 
 def batch_report(result: dict) -> str:
@@ -617,6 +630,8 @@ def batch_report(result: dict) -> str:
           f"{s[m]['cpu_tok_s']:.1f} |" for m in ("greedy", "dflash")),
         "",
         f"speedup (DFlash / plain batched greedy): {s['speedup']:.2f}x wall, {s['cpu_speedup']:.2f}x CPU time",
+        "",
+        f"DFlash verified drafts in {s['drafted_rounds']} of its {s['rounds']} rounds (the others decoded plainly)",
     ]
     if result.get("partings"):
         lines += ["", "Rows that parted from plain batched greedy (generated index; float32 logit gap, reference "

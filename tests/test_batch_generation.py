@@ -524,6 +524,10 @@ def test_plain_rounds_commit_the_plain_greedy_token_and_keep_the_drafters_contex
         assert row.acceptance_lengths[:plain_rounds] == [1] * plain_rounds
     # the drafter first ran in round 7 and read the prompt slots plus the 6 plain rounds' anchors at once
     assert context_read[0] == ids.shape[1] + plain_rounds
+    # rounds that verified drafts: all but the plain ones and the last, whose rows had one token left (no room)
+    stats = drafter.last_stats
+    drafted = [any(row.proposed_lengths[i] > 0 for row in stats.rows) for i in range(stats.num_batch_rounds)]
+    assert stats.num_drafted_batch_rounds == sum(drafted) == stats.num_batch_rounds - plain_rounds - 1
 
 
 def test_the_draft_head_is_timed_only_for_drafted_sizes_and_not_again_when_rows_leave(target, monkeypatch):

@@ -299,6 +299,11 @@ def test_batch_benchmark_times_whole_batches_and_checks_every_row(models):
     assert all(run["cpu_seconds"] > 0 for run in result["runs"])
     assert "| dflash | 24 |" in batch_report(result)
     assert result["partings"] == [] and "parted" not in batch_report(result)
+    dflash_runs = [run for run in result["runs"] if run["method"] == "dflash"]
+    assert summary["rounds"] == sum(run["rounds"] for run in dflash_runs)
+    assert all(1 <= run["rounds"] <= 8 - 1 for run in dflash_runs)  # the prefill commits token 1, a round >= 1 more
+    assert 0 <= summary["drafted_rounds"] <= summary["rounds"]
+    assert f"in {summary['drafted_rounds']} of its {summary['rounds']} rounds" in batch_report(result)
     rows = torch.tensor([[9, 9, 5, 2, 0, 0], [9, 9, 5, 6, 7, 8]])  # prompt width 2, EOS 2 then padding
     assert generated_tokens(rows, 2, [2]) == 2 + 4
 

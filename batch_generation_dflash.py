@@ -102,10 +102,10 @@ class BatchDraftLengthController(DraftLengthController):
       per row for a cost of one). A drafted round runs only while the drafter's whole bill in this call -- shadow
       drafts (``explored``, as at batch 1) plus ``drafting`` plus, for a size not measured yet, what the probe
       loses if no draft is accepted -- stays within the exploration budget (``allowance`` plus ``explore_share`` of
-      the rounds so far). Drafting that pays earns room for more (but not for shadow drafts, which keep their
-      batch-1 budget); drafting that does not -- the first probes at 1, 3 and 7 drafts, rounds drafted on
-      estimates that have not caught up with the text -- costs the call at most the budget plus one round, and the
-      batch decodes plainly until plain rounds have restored it.
+      the rounds so far; twice the single-sequence budget, see ``explore_share``). Drafting that pays earns room for
+      more (but not for shadow drafts, which are judged by their own spending alone); drafting that does not -- the
+      first probes at 1, 3 and 7 drafts, rounds drafted on estimates that have not caught up with the text -- costs
+      the call at most the budget plus one round, and the batch decodes plainly until plain rounds have restored it.
 
     Sizes are tried one at a time upwards, as at batch 1: a round of 15 drafts at batch 8 costs about four plain steps,
     and is tried only once 7 drafts measured cheap enough that it might pay.
@@ -126,6 +126,10 @@ class BatchDraftLengthController(DraftLengthController):
     """
 
     unit_rounds = 3
+
+    # The budget also pays the probes here, and a probe of 1 draft at batch 8 loses ~0.5 plain rounds or more when
+    # nothing is accepted, so the batch keeps twice the single-sequence budget (a round plus 1.5 % of the rounds).
+    explore_share, allowance = 0.015, 1.0
 
     def __init__(self, max_drafts: int, batch_size: int, memory: RoundCostMemory | None = None):
         super().__init__(max_drafts, memory=memory)

@@ -65,6 +65,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from .controller_dflash import (
     DFlashStats,
     DraftLengthController,
+    ForwardTimer,
     RoundCostMemory,
     remembered_round_costs,
     round_cost_key,
@@ -161,12 +162,14 @@ class BatchDraftLengthController(DraftLengthController):
         finally:
             self.rates = rates
 
-    def record_round(self, proposed: int, shadow: bool, seconds: float, committed: float, typical: bool) -> None:
-        """A round that proposed ``proposed`` drafts (a ``shadow`` round: none, but the drafter ran) took ``seconds``
-        and committed ``committed`` tokens per active row: book a drafted one in ``drafting`` (at no more than twice
-        its size's estimated cost, as in `moving_cost`: a stall is not the drafter's doing -- unless the estimate is a
-        remembered one this call has not timed yet); time its size when ``typical`` (its drafter forward, if any, read
-        no more than a block of new context)."""
+    def record_round(self, proposed: int, shadow: bool, seconds: float, committed: float, typical: bool,
+                     drafter_seconds: float = 0.0) -> None:
+        """A round that proposed ``proposed`` drafts (a ``shadow`` round: none, but the drafter ran) took ``seconds``,
+        ``drafter_seconds`` of them in its drafter forward, and committed ``committed`` tokens per active row: book a
+        drafted one in ``drafting`` (at no more than twice its size's estimated cost, as in `moving_cost`: a stall is
+        not the drafter's doing -- unless the estimate is a remembered one this call has not timed yet); time its size
+        (`record_drafted_cost`: when not ``typical``, its drafter forward read more than a block of new context and
+        counts at a typical forward's price)."""
         if shadow:  # charged at `assumed_drafter_cost`: timed against a unit still settling, it could look free
             return
         if proposed and self.step_seconds:
@@ -174,9 +177,11 @@ class BatchDraftLengthController(DraftLengthController):
             if proposed not in self.recalled:  # a remembered estimate may be stale: no cap until this call timed it
                 realized = min(realized, 2 * self.estimated_cost(proposed))
             self.drafting += realized - committed
-        if typical:
-            self.record_cost(proposed, seconds)
+        if proposed:
+            self.record_drafted_cost(proposed, seconds, drafter_seconds, typical)
             self.recalled.discard(proposed)
+        elif typical:
+            self.record_cost(proposed, seconds)
         if proposed == 0:
             self.plain_timed += 1
             if self.plain_timed <= self.unit_rounds:  # the unit starts at their median: one slow round is left out
@@ -386,9 +391,11 @@ class BatchedDFlashLoop:
         runs_drafter = num_drafts > 0 or shadow
         if runs_drafter:
             self._calibrate_head(num_drafts)
+        drafter_time = ForwardTimer(self.draft_head.draft_device)
         started = time.perf_counter()
         if runs_drafter:
-            drafts, draft_logits = self._draft(num_drafts)
+            with drafter_time:
+                drafts, draft_logits = self._draft(num_drafts)
         proposals = drafts[:, :num_drafts] if drafts is not None else self.anchor.new_zeros((self.batch, 0))
         logits, features = self._verify(proposals, limits)
         accepted, committed = self._accept(proposals, limits, logits, draft_logits)
@@ -401,7 +408,8 @@ class BatchedDFlashLoop:
         if self.controller is not None:
             self._teach_controller(drafts, committed, accepted, limits, active)
             per_row = float(kept[active].float().mean()) if bool(active.any()) else 1.0
-            self.controller.record_round(num_drafts, shadow, time.perf_counter() - started, per_row, typical)
+            self.controller.record_round(num_drafts, shadow, time.perf_counter() - started, per_row, typical,
+                                         drafter_time.seconds() if runs_drafter else 0.0)
 
     def _close_holes(self, min_dead: int = 16) -> None:
         """Pack every row's valid slots together once dead slots (holes, and left padding no remaining row needs)

@@ -240,6 +240,19 @@ def test_shadow_rounds_decode_plainly_judge_one_draft_and_time_their_drafter_for
     assert 0 < controller.drafter_cost < 50  # typical forwards timed (not the prompt's), in plain rounds
 
 
+def test_a_drafted_round_after_a_plain_stretch_prices_its_size_with_a_typical_drafter_forward():
+    """A drafter forward that read what plain rounds left pending costs more than a typical one: the round still
+    measures its size, with the forward counted at its typical price (left untimed, the size kept its lower bound
+    and every call probed it again)."""
+    controller = DraftLengthController(max_drafts=15)
+    controller.record_cost(0, 0.1)  # the unit: a plain round of 0.1 s
+    controller.drafter_cost = 0.2  # a typical drafter forward: 0.2 plain rounds
+    controller.record_drafted_cost(7, 0.30, drafter_seconds=0.12, typical=False)  # the forward read a long stretch
+    assert controller.cost[7] == pytest.approx((0.30 - 0.12) / 0.1 + 0.2)
+    controller.record_drafted_cost(3, 0.18, drafter_seconds=0.02, typical=True)  # typical: timed as it is
+    assert controller.cost[3] == pytest.approx(1.8)
+
+
 def test_context_deferred_over_plain_rounds_reaches_the_drafter_exactly(target, monkeypatch):
     """Plain and lookup rounds run no drafter forward; the features they commit wait until the next drafter call,
     which must read exactly the positions committed since its last call, in order, with the target's features there

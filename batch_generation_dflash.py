@@ -391,7 +391,7 @@ class BatchedDFlashLoop:
         runs_drafter = num_drafts > 0 or shadow
         if runs_drafter:
             self._calibrate_head(num_drafts)
-        drafter_time = ForwardTimer(self.draft_head.draft_device)
+        drafter_time = ForwardTimer(self.draft_head.draft_device) if runs_drafter else None
         started = time.perf_counter()
         if runs_drafter:
             with drafter_time:
@@ -409,7 +409,7 @@ class BatchedDFlashLoop:
             self._teach_controller(drafts, committed, accepted, limits, active)
             per_row = float(kept[active].float().mean()) if bool(active.any()) else 1.0
             self.controller.record_round(num_drafts, shadow, time.perf_counter() - started, per_row, typical,
-                                         drafter_time.seconds() if runs_drafter else 0.0)
+                                         drafter_time.seconds() if drafter_time is not None else 0.0)
 
     def _close_holes(self, min_dead: int = 16) -> None:
         """Pack every row's valid slots together once dead slots (holes, and left padding no remaining row needs)

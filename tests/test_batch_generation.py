@@ -8,8 +8,8 @@ from oracle import corrupted
 from transformers.generation.streamers import BaseStreamer
 
 from dflash_hf import batch_generation_dflash, controller_dflash
-from dflash_hf.controller_dflash import RoundCostMemory
 from dflash_hf.batch_generation_dflash import BatchedDFlashLoop
+from dflash_hf.controller_dflash import RoundCostMemory
 
 PAD = 0
 

@@ -180,9 +180,8 @@ class BatchDraftLengthController(DraftLengthController):
         if proposed:
             self.record_drafted_cost(proposed, seconds, drafter_seconds, typical)
             self.recalled.discard(proposed)
-        elif typical:
-            self.record_cost(proposed, seconds)
-        if proposed == 0:
+        else:  # a plain round (always typical: it runs no drafter)
+            self.record_cost(0, seconds)
             self.plain_timed += 1
             if self.plain_timed <= self.unit_rounds:  # the unit starts at their median: one slow round is left out
                 self.first_plain.append(seconds)

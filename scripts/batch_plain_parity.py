@@ -2,14 +2,14 @@
 (gsm8k@1000): plain batched greedy vs batched DFlash (adaptive) vs the batched loop forced plain (the controller
 answers 0 drafts, no shadow rounds). Process CPU and wall seconds per run, medians; DFlash phase totals (CPU s).
 
-    taskset -c 0 .venv/bin/python scripts/batch_plain_parity.py BATCH NEW_TOKENS REPEATS    # e.g. 8 64 3
+    taskset -c 0 .venv/bin/python scripts/batch_plain_parity.py BATCH NEW_TOKENS REPEATS [DTYPE]   # e.g. 8 64 3 bfloat16
 """
 import statistics, sys, time, collections
 import torch
 from batch_setup import held_out_batch, load_models
 import dflash_hf.batch_generation_dflash as bg
 B, NEW, REPS = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-target, tok, drafter = load_models()
+target, tok, drafter = load_models(sys.argv[4] if len(sys.argv) > 4 else "float32")
 ids, mask = held_out_batch(tok, B)
 phase = collections.defaultdict(float)
 def wrap(name):

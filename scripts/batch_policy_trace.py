@@ -7,9 +7,9 @@ kind costs, and tau; and the call in plain-round units (each round's CPU time ov
 NEW_TOKENS steps of plain batched greedy: an estimate of the speed ratio that a busy core distorts less than the
 CPU-time ratio of two calls.
 
-    taskset -c 0 .venv/bin/python scripts/batch_policy_trace.py BATCH NEW_TOKENS REPEATS [old] [margin10] [fresh]
+    taskset -c 0 .venv/bin/python scripts/batch_policy_trace.py BATCH NEW_TOKENS REPEATS [old] [margin10] [fresh] [bfloat16]
 
-(e.g. ``8 64 4 fresh``). Extra methods, interleaved with the others: ``old`` runs the policy before the exploration
+(e.g. ``8 64 4 fresh``; ``bfloat16``: both models in bf16, else float32). Extra methods, interleaved with the others: ``old`` runs the policy before the exploration
 ledger (commit 82c483e: the base `DraftLengthController.choose`, no unit warm-up); ``margin10`` the current one with a
 margin of 10 %; ``fresh`` the current one without the memory of round costs across calls (every call probes again).
 """
@@ -19,7 +19,7 @@ from batch_setup import held_out_batch, load_models
 import dflash_hf.batch_generation_dflash as bg
 
 B, NEW, REPS = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-target, tok, drafter = load_models()
+target, tok, drafter = load_models("bfloat16" if "bfloat16" in sys.argv[4:] else "float32")
 ids, mask = held_out_batch(tok, B)
 rounds, probes, starts = [], [], []
 real_round = bg.BatchedDFlashLoop._round
@@ -79,7 +79,7 @@ with torch.no_grad():
     for kw in ({}, dict(assistant_model=drafter)):
         target.generate(ids, attention_mask=mask, **dict(opts, max_new_tokens=4), **kw)
 cpu, calls = collections.defaultdict(list), collections.defaultdict(list)
-methods = ["greedy", "dflash"] + sys.argv[4:]
+methods = ["greedy", "dflash"] + [m for m in sys.argv[4:] if m != "bfloat16"]
 controllers = {"old": OldController, "margin10": Margin10Controller, "fresh": FreshController}
 for rep in range(REPS):
     for name in methods[rep % len(methods):] + methods[:rep % len(methods)]:

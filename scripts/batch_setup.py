@@ -1,5 +1,5 @@
 """What the batch scripts share (`batch_plain_parity.py`, `batch_policy_trace.py`, `batch_round_phases.py`): the
-default target and its shipped drafter in float32 on one torch thread, and a left-padded batch of held-out GSM8K
+default target and its shipped drafter on one torch thread (float32 unless a script is given a dtype), and a left-padded batch of held-out GSM8K
 prompts (gsm8k@1000). Imported as a sibling module: `python scripts/<script>.py` puts scripts/ on the path."""
 import torch
 
@@ -8,11 +8,11 @@ from dflash_hf.bench_cli import load_bench_prompts
 from dflash_hf.loading import load_drafter, load_target
 
 
-def load_models():
-    """``(target, tokenizer, drafter)``: the prepared default target and the shipped drafter, float32, 1 thread."""
+def load_models(dtype: str = "float32"):
+    """``(target, tokenizer, drafter)``: the prepared default target and the shipped drafter in ``dtype``, 1 thread."""
     torch.set_num_threads(1)
-    target, tokenizer = load_target(None, "float32")
-    return target, tokenizer, load_drafter(None, target, "float32", tokenizer)
+    target, tokenizer = load_target(None, dtype)
+    return target, tokenizer, load_drafter(None, target, dtype, tokenizer)
 
 
 def held_out_batch(tokenizer, batch_size: int):

@@ -21,6 +21,11 @@ def native_bf16() -> str | None:
     Without them PyTorch emulates bf16 matmuls on the CPU, several times slower than fp32."""
     if torch.cuda.is_available():
         return "a CUDA GPU"
+    return cpu_bf16()
+
+
+def cpu_bf16() -> str | None:
+    """Which bf16 instructions this CPU has (``"a CPU with AMX"``, ``"a CPU with AVX-512 BF16"``), else None."""
     try:
         flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
     except OSError:

@@ -30,6 +30,7 @@ from dflash_hf.training.trainer import (
     budget_cosine_lambda,
     cosine_lambda,
     resolve_attention,
+    resolve_autocast,
     warm_start_from_target,
 )
 from conftest import mask_token_id, save_chat_target, write_prompts
@@ -324,6 +325,24 @@ def test_training_attention_choice():
     assert resolve_attention("eager", torch.device("cuda", 0)) == "eager"
     with pytest.raises(ValueError, match="no backward on CPU"):
         resolve_attention("flex_attention", torch.device("cpu"))
+
+
+def test_training_autocast_choice(monkeypatch):
+    """Unset, bf16 autocast follows the device: on where it computes bf16 natively, off where a CPU would emulate it;
+    ``--bf16`` / ``--no-bf16`` win either way."""
+    import dflash_hf.loading as loading
+
+    monkeypatch.setattr(loading, "cpu_bf16", lambda: None)
+    assert resolve_autocast(None, torch.device("cpu"))[0] is False
+    assert resolve_autocast(True, torch.device("cpu")) == (True, "asked for")
+    assert resolve_autocast(None, torch.device("cuda", 0))[0] is True
+    monkeypatch.setattr(loading, "cpu_bf16", lambda: "a CPU with AMX")
+    on, why = resolve_autocast(None, torch.device("cpu"))
+    assert on is True and "AMX" in why
+    assert resolve_autocast(False, torch.device("cpu")) == (False, "asked for")
+    required = ["train", "--target", "t", "--data", "d", "--output-dir", "o", "--mask-token-id", "1"]
+    parse = lambda *flags: build_parser().parse_args(required + list(flags)).bf16
+    assert (parse(), parse("--bf16"), parse("--no-bf16")) == (None, True, False)
 
 
 def test_drafter_overfits_one_sequence(work):

@@ -4,6 +4,7 @@ which builds the stage's typed config from the flags and calls the library funct
 `dflash_hf.cli` registers them as subcommands of ``dflash-hf``.
 """
 
+import argparse
 import json
 import logging
 
@@ -136,7 +137,9 @@ def _add_train_options(p):
     g.add_argument("--schedule", default="steps", choices=["steps", "time"],
                    help="steps: warm-up and cosine over the steps (--max-steps / --epochs); time: over --time-budget "
                    "seconds too, whichever runs out first (a run of fixed wall-clock length on unknown hardware)")
-    g.add_argument("--bf16", action="store_true", help="bf16 autocast for the drafter and lm_head")
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast for the drafter and lm_head (default: on where the device computes bf16 "
+                   "natively -- CUDA, a CPU with AMX or AVX-512 BF16 -- off elsewhere)")
     g.add_argument("--target-dtype", default="float32", choices=list(DTYPES),
                    help="dtype the frozen target is loaded in")
     g = p.add_argument_group("run control")

@@ -96,7 +96,7 @@ class TrainOptions:
     epochs: int = 6
     max_steps: int | None = None
     schedule: str = "steps"  # steps: warm-up + cosine over the steps; time: over time_budget too, whichever ends first
-    bf16: bool = False
+    bf16: bool | None = None  # bf16 autocast; None: where the device computes bf16 natively (`resolve_autocast`)
     target_dtype: str = "float32"
     # run control
     time_budget: float | None = None

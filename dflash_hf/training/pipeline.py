@@ -21,8 +21,9 @@ from .trainer import train
 def train_all(config: TrainAllConfig) -> dict:
     """Distill ``config.prompts`` into ``out/data`` for up to ``distill_fraction`` of the budget, train into
     ``out/train`` for 95% of what is left (room for the final save), then evaluate ``out/train/final`` on
-    ``eval_prompts`` into ``out/eval.json`` if given. On a GPU the target answers in bf16 and training autocasts to
-    bf16. Returns the training summary."""
+    ``eval_prompts`` into ``out/eval.json`` if given. On a GPU the target answers in bf16; training autocasts to bf16
+    where the device computes it natively (`resolve_autocast`) unless ``training.bf16`` says otherwise. Returns the
+    training summary."""
     start = time.monotonic()
     out, training = Path(config.out), config.training
     run = {f.name: getattr(config, f.name) for f in fields(RunConfig)}
@@ -33,7 +34,7 @@ def train_all(config: TrainAllConfig) -> dict:
         time_budget=config.budget * config.distill_fraction,
     ))
     remaining = config.budget - (time.monotonic() - start)
-    options = asdict(training) | {"bf16": training.bf16 or on_gpu, "time_budget": max(1.0, remaining * 0.95)}
+    options = asdict(training) | {"time_budget": max(1.0, remaining * 0.95)}
     summary = train(TrainConfig(**run, **options, data=str(out / "data"), output_dir=str(out / "train"),
                                 resume="auto"))
     if config.eval_prompts:

@@ -3,7 +3,7 @@
     python scripts/plot_training_runs.py docs/training-runs.json docs/smollm2-runs-curve.png
 
 Each run continues from the previous one (`dflash-hf train --init-from`); the JSON holds the measured points and
-how they were measured.
+how they were measured. A held-out set first measured at a later run is plotted from that run on.
 """
 
 import json
@@ -19,8 +19,9 @@ def main(table: str, out: str) -> None:
     runs = json.load(open(table))["runs"]
     blocks = [run["blocks"] / 1000 for run in runs]
     fig, ax = plt.subplots(figsize=(8.5, 4))
-    for dataset in runs[0]["tau"]:
-        ax.plot(blocks, [run["tau"][dataset] for run in runs], marker="o", label=dataset)
+    for dataset in dict.fromkeys(name for run in runs for name in run["tau"]):  # a set measured from some run on
+        points = [(x, run["tau"][dataset]) for x, run in zip(blocks, runs) if dataset in run["tau"]]
+        ax.plot(*zip(*points), marker="o", label=dataset)
     ax.margins(x=0.08)  # room for the last run's label
     for x, run in zip(blocks, runs):
         ax.annotate(run["name"].split(":")[0], (x, ax.get_ylim()[0]), textcoords="offset points", xytext=(2, 4),

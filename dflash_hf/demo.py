@@ -133,6 +133,8 @@ def explain_parting(target, tokenizer, dflash_out, plain, prompt_len: int, posit
     if target.dtype == torch.float32:
         return f"{head}: NOT expected in float32 -- please report it"
     if margin["near_tie"]:
-        return (f"{head}: a {target.dtype} near-tie: float32 logit gap {abs(margin['gap']):.3f} < the dtype's error "
-                f"{margin['error']:.3f} there; identical in float32")
-    return f"{head}: float32 gap {abs(margin['gap']):.3f} > error {margin['error']:.3f}: NOT a near-tie -- please report it"
+        # `divergence_margin`'s rule: our token within 4 x the dtype's error of the float32 top logit.
+        return (f"{head}: a {target.dtype} near-tie: float32 logit gap {abs(margin['gap']):.3f}, within 4 x the "
+                f"dtype's error {margin['error']:.3f} there; identical in float32")
+    return (f"{head}: float32 gap {abs(margin['gap']):.3f}, more than 4 x the dtype's error {margin['error']:.3f}: "
+            "NOT a near-tie -- please report it")

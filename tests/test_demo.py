@@ -69,6 +69,7 @@ def test_parting_is_explained_with_the_float32_gap(tmp_path):
     half = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16)
     line = explain_parting(half, tokenizer, ours, plain, 4, 0)  # ours is the float32 top token: a tie at worst
     assert "they part at token 0" in line and "near-tie" in line and "identical in float32" in line
+    assert "within 4 x the dtype's error" in line  # the rule `divergence_margin` applies, stated as applied
     line = explain_parting(half, tokenizer, plain, ours, 4, 0)  # ours is the float32 bottom token
     assert "NOT a near-tie" in line
 

@@ -2,7 +2,7 @@
 (gsm8k@1000): plain batched greedy vs batched DFlash (adaptive) vs the batched loop forced plain (the controller
 answers 0 drafts, no shadow rounds). Process CPU and wall seconds per run, medians; DFlash phase totals (CPU s).
 
-    taskset -c 0 .venv/bin/python scripts/batch_plain_parity.py BATCH NEW_TOKENS REPEATS [DTYPE]   # e.g. 8 64 3 bfloat16
+    taskset -c 0 .venv/bin/python scripts/batch_plain_parity.py BATCH NEW_TOKENS REPEATS [DTYPE]  # 8 64 3 bfloat16
 """
 import statistics, sys, time, collections
 import torch

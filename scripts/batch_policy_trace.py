@@ -7,11 +7,13 @@ kind costs, and tau; and the call in plain-round units (each round's CPU time ov
 NEW_TOKENS steps of plain batched greedy: an estimate of the speed ratio that a busy core distorts less than the
 CPU-time ratio of two calls.
 
-    taskset -c 0 .venv/bin/python scripts/batch_policy_trace.py BATCH NEW_TOKENS REPEATS [old] [margin10] [fresh] [bfloat16]
+    taskset -c 0 .venv/bin/python scripts/batch_policy_trace.py BATCH NEW_TOKENS REPEATS [old] [margin10] [fresh] \
+        [bfloat16]
 
-(e.g. ``8 64 4 fresh``; ``bfloat16``: both models in bf16, else float32). Extra methods, interleaved with the others: ``old`` runs the policy before the exploration
-ledger (commit 82c483e: the base `DraftLengthController.choose`, no unit warm-up); ``margin10`` the current one with a
-margin of 10 %; ``fresh`` the current one without the memory of round costs across calls (every call probes again).
+(e.g. ``8 64 4 fresh``; ``bfloat16``: both models in bf16, else float32). Extra methods, interleaved with the others:
+``old`` runs the policy before the exploration ledger (commit 82c483e: the base `DraftLengthController.choose`, no unit
+warm-up); ``margin10`` the current one with a margin of 10 %; ``fresh`` the current one without the memory of round
+costs across calls (every call probes again).
 """
 import collections, statistics, sys, time
 import torch

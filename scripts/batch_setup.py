@@ -1,6 +1,7 @@
 """What the batch scripts share (`batch_plain_parity.py`, `batch_policy_trace.py`, `batch_round_phases.py`): the
-default target and its shipped drafter on one torch thread (float32 unless a script is given a dtype), and a left-padded batch of held-out GSM8K
-prompts (gsm8k@1000). Imported as a sibling module: `python scripts/<script>.py` puts scripts/ on the path."""
+default target and its shipped drafter on one torch thread (float32 unless a script is given a dtype), and a
+left-padded batch of held-out GSM8K prompts (gsm8k@1000). Imported as a sibling module: `python scripts/<script>.py`
+puts scripts/ on the path."""
 import torch
 
 from dflash_hf.bench import left_pad

@@ -16,24 +16,29 @@ def resolve_device(choice: str | None) -> str:
     return choice or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def native_bf16() -> str | None:
-    """What computes bf16 natively here (a CUDA GPU, or a CPU with AMX / AVX-512 BF16 instructions), else None.
-    Without them PyTorch emulates bf16 matmuls on the CPU, several times slower than fp32."""
-    if torch.cuda.is_available():
+def native_bf16(device_type: str | None = None) -> str | None:
+    """What computes bf16 natively on ``device_type`` (``"cuda"``, ``"cpu"``; None: the GPU if there is one, else
+    the CPU): ``"a CUDA GPU"``, ``"a CPU with AMX"``, ``"a CPU with AVX-512 BF16"``, else None. Without those
+    instructions PyTorch emulates bf16 matmuls on the CPU, several times slower than fp32."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
         return "a CUDA GPU"
-    return cpu_bf16()
-
-
-def cpu_bf16() -> str | None:
-    """Which bf16 instructions this CPU has (``"a CPU with AMX"``, ``"a CPU with AVX-512 BF16"``), else None."""
-    try:
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    except OSError:
+    if device_type != "cpu":
         return None
+    flags = cpu_flags()
     for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16")):
         if flag in flags:
             return f"a CPU with {name}"
     return None
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        return next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    except OSError:
+        return []
 
 
 def resolve_dtype(choice: str = "auto") -> tuple[str, str]:

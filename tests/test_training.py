@@ -332,11 +332,11 @@ def test_training_autocast_choice(monkeypatch):
     ``--bf16`` / ``--no-bf16`` win either way."""
     import dflash_hf.loading as loading
 
-    monkeypatch.setattr(loading, "cpu_bf16", lambda: None)
+    monkeypatch.setattr(loading, "cpu_flags", lambda: ["avx2", "fma"])
     assert resolve_autocast(None, torch.device("cpu"))[0] is False
     assert resolve_autocast(True, torch.device("cpu")) == (True, "asked for")
     assert resolve_autocast(None, torch.device("cuda", 0))[0] is True
-    monkeypatch.setattr(loading, "cpu_bf16", lambda: "a CPU with AMX")
+    monkeypatch.setattr(loading, "cpu_flags", lambda: ["avx2", "amx_bf16"])
     on, why = resolve_autocast(None, torch.device("cpu"))
     assert on is True and "AMX" in why
     assert resolve_autocast(False, torch.device("cpu")) == (False, "asked for")

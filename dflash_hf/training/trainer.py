@@ -182,11 +182,11 @@ def resolve_autocast(choice: bool | None, device: torch.device) -> tuple[bool, s
     """``--bf16`` / ``--no-bf16`` as given; unset (``None``): bf16 autocast where ``device`` computes bf16 natively
     (CUDA, or a CPU with AMX / AVX-512 BF16), where it gives the same loss per step at about twice the blocks per
     second on a CPU (docs/training.md); fp32 elsewhere, where bf16 is emulated and slower. -> (on, why)."""
-    from ..loading import cpu_bf16
+    from ..loading import native_bf16
 
     if choice is not None:
         return choice, "asked for"
-    native = "a CUDA GPU" if device.type == "cuda" else cpu_bf16() if device.type == "cpu" else None
+    native = native_bf16(device.type)
     if native:
         return True, f"auto: {native} computes bf16 natively"
     return False, f"auto: no native bf16 on {device.type} (no AMX / AVX-512 BF16), where float32 is faster"

@@ -438,7 +438,8 @@ def drive_batch_controller(acceptance, first_plain_seconds=1.0, rounds=64, batch
         seconds = first_plain_seconds if k == 0 and not shadow and first_plain else cost
         first_plain = first_plain and (k or shadow)
         per_row = sum(committed) / batch
-        controller.record_round(k, shadow, seconds, per_row, typical=index > 0)
+        controller.record_round(k, shadow, seconds, per_row, typical=index > 0,
+                                drafter_seconds=cost - 1.0 if shadow else 0.0)
         bill += cost - per_row
         choices.append("s" if shadow else k)
     return choices, bill
@@ -463,6 +464,47 @@ def test_batch_drafting_that_pays_earns_its_own_room(seed):
     assert sum(k not in (0, "s") for k in choices) >= len(choices) // 2
     assert choices[-20:].count(7) + choices[-20:].count(15) >= 15
     assert bill < -40  # plain rounds saved
+
+
+def test_a_size_never_measured_is_priced_on_the_line_through_the_measured_ones():
+    """After 1, 3 and 7 drafts were measured (here as a call at batch 8 left them), 15 drafts are priced on the line
+    through 3 and 7, not at 7's cost: one shadow round that saw draft 1 accepted by most rows (every later position
+    assumed as good) does not make a round of 15 drafts look affordable -- at 7's cost it did, and lost 4.7 plain
+    rounds at batch 8 in bf16. The batch drafts the best size the budget can pay instead."""
+    from dflash_hf.batch_generation_dflash import BatchDraftLengthController
+    from dflash_hf.controller_dflash import DraftLengthController
+
+    controller = BatchDraftLengthController(15, batch_size=8)
+    controller.cost = {0: 1.0, 1: 1.7, 3: 1.9, 7: 2.2}
+    assert controller.estimated_cost(15) == pytest.approx(2.2 + (2.2 - 1.9) / 4 * 8)
+    assert controller.estimated_cost(3) == 1.9  # measured sizes keep their cost
+    single = DraftLengthController(15)
+    single.cost = dict(controller.cost)
+    assert single.estimated_cost(15) == 2.2  # the single-sequence lower bound, unchanged
+    controller.acceptance, controller.judged = [[0.9] * 15, [0.9] * 15], 1
+    controller.plain_timed, controller.step_seconds, controller.rounds, controller.explored = 3, 1.0, 46, 0.5
+    assert controller.best() == 15  # what the acceptance asks for is a probe the budget cannot pay ...
+    assert controller.choose() == 7  # ... (0.5 + 1.8 > 1 + 0.015 * 47), so the best measured size drafts
+    assert controller.explored + 2.2 - 1.0 <= controller.allowance + controller.explore_share * controller.rounds
+
+
+def test_a_shadow_round_is_booked_at_its_measured_drafter_forward_once_the_unit_is_timed():
+    """A shadow round's drafter forward is charged at the assumed price when chosen and booked at what it measured
+    (its seconds over the unit) once the unit is timed; the first one, before any plain round, stays at the charge."""
+    from dflash_hf.batch_generation_dflash import BatchDraftLengthController
+
+    controller = BatchDraftLengthController(15, batch_size=8)
+    assert controller.choose() == 0 and controller.shadow  # the first round reads the prompts
+    charged = controller.explored
+    controller.record_round(0, True, 3.0, 1.0, typical=False, drafter_seconds=2.0)
+    assert controller.explored == charged  # no unit yet: nothing to measure it against
+    for _ in range(3):
+        controller.choose()
+        controller.record_round(0, False, 1.0, 1.0, typical=True)
+    explored = controller.explored
+    controller.record_round(0, True, 1.9, 1.0, typical=False, drafter_seconds=0.9)
+    assert controller.explored == pytest.approx(explored + 0.9 - controller.shadow_price())
+    assert controller.step_seconds == 1.0 and controller.drafter_cost is None  # neither the unit nor a typical forward
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -740,13 +782,16 @@ def test_a_stale_low_remembered_cost_costs_at_most_the_budget_plus_a_round():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_batch_controller_remembering_its_costs_probes_once_per_process(seed):
-    """A drafter that pays: the first call probes 1, 3, 7 and 15 drafts; a second call with the same memory probes
-    nothing, goes straight to the long blocks and gains at least as much."""
+    """A drafter that pays: the first call probes 1, 3 and 7 drafts (15, priced on the line through 3 and 7 at 5.4
+    plain rounds, would commit fewer tokens per plain round than 7: E[15] = 6.2 tokens for 5.0); a second call with
+    the same memory probes nothing, goes straight to the long blocks and gains as much."""
 
     memory, probes = RoundCostMemory(), []
     first, first_bill = drive_batch_controller(acceptance=0.85, seed=seed, memory=memory, probes=probes)
-    assert probes == [1, 3, 7, 15]
+    assert probes == [1, 3, 7]
     probes.clear()
     second, second_bill = drive_batch_controller(acceptance=0.85, seed=seed + 10, memory=memory, probes=probes)
-    assert probes == [] and second_bill <= first_bill
+    assert probes == []
     assert [k for k in second if k not in (0, "s")][0] in (7, 15)
+    assert second.index(7) < first.index(7)  # the long blocks start sooner ...
+    assert second_bill <= first_bill + 0.5  # ... and the call gains as much, up to its own rows' luck

@@ -398,16 +398,22 @@ def test_distill_shards_resume_and_bad_lines(work, capsys):
     # rerun: finished shards are skipped (untouched); a lost shard is redone; the bad line is reported again
     stamps = {p.name: p.stat().st_mtime_ns for p in shards}
     shards[1].unlink()
-    (data / "manifest.json").write_text(json.dumps({**manifest, "how": "a note a person wrote"}))
+    (data / "manifest.json").write_text(json.dumps({**manifest, "how": "a note a person wrote",
+                                                    "target": "the tiny target, as a person named it"}))
     summary = main(["distill", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--out",
                     str(data), "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "40",
-                    "--target-layer-ids", LAYERS])
+                    "--target-layer-ids", LAYERS, "--dtype", "bfloat16"])
     assert summary["written"] == [1] and summary["skipped_shards"] == 2
     assert any(":2: not JSON" in p for p in summary["problems"])
     assert shards[0].stat().st_mtime_ns == stamps[shards[0].name]
     assert shards[1].exists()
     rewritten = json.loads((data / "manifest.json").read_text())
     assert rewritten["how"] == "a note a person wrote" and len(rewritten["finished_shards"]) == 3
+    # the resume keeps the corpus's own record of its first run and lists its own settings with the shard it wrote
+    assert rewritten["target"] == "the tiny target, as a person named it"
+    assert rewritten["dtype"] == manifest["dtype"] != "bfloat16"
+    assert rewritten["resumes"] == [{"shards": ["shard-00001.safetensors"], "target": str(work / "target"),
+                                     "dtype": "bfloat16", "draft": None, "max_new_tokens": 40, "temperature": 0.0}]
     responses = sum(int(ShardDataset(data)[i]["loss_mask"].sum()) for i in range(len(ShardDataset(data))))
     assert rewritten["response_tokens"] == responses > 0
 

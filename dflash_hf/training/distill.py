@@ -95,10 +95,18 @@ def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[i
     return [features[i, : len(ids)] for i, ids in enumerate(sequences)]
 
 
-def _write_manifest(out_dir: Path, info: dict) -> None:
+# What one run of `distill` decides about the answers it writes; a resumed corpus keeps its first run's values and
+# lists each later run's under ``resumes``.
+RUN_FIELDS = ("target", "dtype", "draft", "max_new_tokens", "temperature")
+
+
+def _write_manifest(out_dir: Path, info: dict, resumed_shards: list[str] | None = None) -> None:
     """Write ``manifest.json``: ``info``, the finished shards and their response tokens. Keys that a person added to
     an existing manifest (how the corpus was made, notes) are kept, so that resuming a committed corpus with the
-    command its manifest names does not erase that record."""
+    command its manifest names does not erase that record. A resume (``resumed_shards``: the shards this run wrote
+    into a corpus that had a manifest) keeps the manifest's `RUN_FIELDS` too, and records its own values with its
+    shards under ``resumes``, so that a corpus grown over several runs and machines says which run wrote which
+    shard (resuming used to overwrite the target folder and dtype of the whole corpus with its own)."""
     from safetensors import safe_open
 
     path = out_dir / "manifest.json"
@@ -108,7 +116,12 @@ def _write_manifest(out_dir: Path, info: dict) -> None:
     for shard in done:
         with safe_open(shard, "pt") as f:
             tokens += int(f.get_tensor("loss_mask").sum())
-    manifest = {**kept, **info, "finished_shards": [p.name for p in done], "response_tokens": tokens}
+    fresh = {k: v for k, v in info.items() if not (resumed_shards is not None and k in RUN_FIELDS and k in kept)}
+    manifest = {**kept, **fresh, "finished_shards": [p.name for p in done], "response_tokens": tokens}
+    if resumed_shards:  # this run's entry, rewritten after each of its shards
+        entry = {"shards": resumed_shards, **{k: info[k] for k in RUN_FIELDS}}
+        earlier = [r for r in kept.get("resumes", []) if r.get("shards", [None])[0] != resumed_shards[0]]
+        manifest["resumes"] = earlier + [entry]
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(manifest, indent=2))
 
@@ -123,6 +136,7 @@ def distill(config: DistillConfig) -> dict:
         raise DFlashUserError(f"no usable prompt in {', '.join(map(str, sources))}: {shown or 'no lines'}")
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    resuming = (out_dir / "manifest.json").exists()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = resolve_device(config.device)
     if device == "cuda" and world > 1:
@@ -188,10 +202,10 @@ def distill(config: DistillConfig) -> dict:
         write_shard(shard_path(out_dir, shard), sequences, [p.id for p, _ in chunk], layer_ids)
         written.append(shard)
         if rank == 0:
-            _write_manifest(out_dir, info)
+            _write_manifest(out_dir, info, [shard_path(out_dir, s).name for s in written] if resuming else None)
     bar.close()
     if rank == 0:
-        _write_manifest(out_dir, info)
+        _write_manifest(out_dir, info, [shard_path(out_dir, s).name for s in written] if resuming else None)
     return dict(written=written, skipped_shards=len(mine) - len(todo), problems=problems, new_tokens=tokens,
                 seconds=time.monotonic() - start)
 

@@ -94,9 +94,10 @@ class Method:
     block: int = 1
 
 
-def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0, block_size: int | None = None
-                  ) -> list[Method]:
+def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0, block_size: int | None = None,
+                  other_drafters: dict | None = None) -> list[Method]:
     """The methods in ``names`` (see `ALL_METHODS`); the DFlash ones need ``drafter``; no oracle when sampling.
+    Each of ``other_drafters`` (``{name: drafter}``) adds a method ``dflash@name``: ``dflash`` with that drafter.
 
     ``block_size`` (at most the drafter's) runs ours and the oracle at smaller blocks through ``generate``'s
     ``num_assistant_tokens`` (the drafter is not changed); transformers' built-in generator always drafts the
@@ -133,6 +134,12 @@ def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0, blo
             methods.append(Method(name, kwargs, block))
         else:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
+    for name, other in (other_drafters or {}).items():
+        kwargs = {"assistant_model": other}
+        if block != other.config.block_size:
+            kwargs |= {"num_assistant_tokens": block - 1,
+                       "num_assistant_tokens_schedule": "heuristic" if other.adaptive_block_size else "constant"}
+        methods.append(Method(f"dflash@{name}", kwargs, block))
     return methods
 
 
@@ -172,7 +179,7 @@ class RunTrace:
 
 
 class PhaseProfiler:
-    """Hooks on the target (forward, ``lm_head``), the drafter and dflash-hf's draft head, and wrappers on the
+    """Hooks on the target (forward, ``lm_head``), the drafters and dflash-hf's draft head, and wrappers on the
     candidate generator's public round calls.
 
     Installed once for a whole benchmark so that every method pays the same (microsecond) hook cost. The
@@ -182,15 +189,16 @@ class PhaseProfiler:
     is charged for its own kernels rather than for the moment they were launched.
     """
 
-    def __init__(self, target, drafter=None):
+    def __init__(self, target, *drafters):
         self.target, self.trace = target, RunTrace()
         self.sync = target.device.type == "cuda"
         self._in_verify = False
         self._handles = []
         self._hook(target, self._verify_start, self._verify_end)
         self._hook(target.get_output_embeddings(), self._draft_start, self._draft_end)
-        if drafter is not None:
-            self._hook(drafter, self._draft_start, self._draft_end)
+        for drafter in drafters:
+            if drafter is not None:
+                self._hook(drafter, self._draft_start, self._draft_end)
         self._draft_t0, self._draft_depth = 0.0, 0
         self._verify_t0 = 0.0
 
@@ -375,8 +383,9 @@ class BenchPrompt:
 
 
 def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], drafter=None, max_new_tokens=128,
-                  repeats=3, temperature=0.0, seed=0, warmup=True, progress=True) -> list[dict]:
-    """Every prompt: an untimed plain reference run, then ``repeats`` x all methods in a rotated order.
+                  repeats=3, temperature=0.0, seed=0, warmup=True, progress=True, other_drafters=()) -> list[dict]:
+    """Every prompt: an untimed plain reference run, then ``repeats`` x all methods in a rotated order
+    (``other_drafters``: the drafters of ``dflash@name`` methods, hooked like ``drafter``).
 
     Returns the raw per-run records (see `run_once`), each with ``dataset``, ``prompt_id``, ``repeat``, ``slot``
     (position in that repeat's order), ``identical``, ``first_diff`` (against the reference) and, for a greedy run
@@ -386,7 +395,7 @@ def run_benchmark(target, prompts: list[BenchPrompt], methods: list[Method], dra
 
     plain = Method("reference")
     exact = None  # the float32 twin for divergence margins, made at the first greedy divergence
-    profiler = PhaseProfiler(target, drafter)
+    profiler = PhaseProfiler(target, drafter, *other_drafters)
     records = []
     try:
         if warmup and prompts:
@@ -484,17 +493,18 @@ def measure_verify_curve(target, ks=VERIFY_KS, context_len=256, repeats=7, seed=
 
 def run_suite(target, prompts: list[BenchPrompt], drafter=None, methods=ALL_METHODS, max_new_tokens=128, repeats=3,
               temperature=0.0, seed=0, context_len=256, verify_repeats=7, config=None, progress=True,
-              block_size=None) -> dict:
+              block_size=None, other_drafters: dict | None = None) -> dict:
     """The whole benchmark: interleaved runs, then r(k) for ``k`` in `VERIFY_KS` and every method's block.
+    ``other_drafters`` (``{name: drafter}``) run as methods ``dflash@name`` (`build_methods`).
 
     Returns ``{"config", "machine", "verify_curve", "runs", "summary"}``, ready for `bench_report.write_report`.
     """
     from .bench_report import summarize
 
-    method_list = build_methods(drafter, methods, temperature, block_size)
+    method_list = build_methods(drafter, methods, temperature, block_size, other_drafters)
     machine = machine_info(target.dtype)  # load average before the run
     runs = run_benchmark(target, prompts, method_list, drafter, max_new_tokens, repeats, temperature, seed,
-                         progress=progress)
+                         progress=progress, other_drafters=list((other_drafters or {}).values()))
     ks = sorted(set(VERIFY_KS) | {m.block for m in method_list})
     curve = measure_verify_curve(target, ks, context_len, verify_repeats, seed)
     machine["loadavg_after"] = machine_info(target.dtype)["loadavg"]

@@ -24,6 +24,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", help="target folder (default: the prepared SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="drafter folder, or 'random' for an untrained drafter (tau ~ 1: overhead "
                    "only); default: the drafter shipped for the default target")
+    p.add_argument("--compare-draft", action="append", default=[], metavar="NAME=PATH",
+                   help="another drafter for the same target, run as method dflash@NAME interleaved with the others, "
+                   "so that two drafters are compared in the same state of the machine (repeatable)")
     p.add_argument("--block-size", type=COUNT, help="draft smaller blocks than the drafter's (sweep 4/8/16 on "
                    "CPU); set per call through generate's num_assistant_tokens")
     p.add_argument("--datasets", default=",".join(DATASETS),
@@ -59,6 +62,9 @@ def run_bench(args) -> None:
     from .bench_report import write_report
 
     torch.set_num_threads(args.threads)
+    compare = compare_draft_paths(args.compare_draft)
+    if compare and args.batch_size:
+        raise DFlashUserError("--compare-draft runs in the per-prompt benchmark only: drop it or --batch-size")
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
@@ -72,17 +78,32 @@ def run_bench(args) -> None:
                               "or --methods greedy,pld3,pld10")
     draft_name = args.draft or "default"
     block_size = (args.block_size or drafter.config.block_size) if drafter is not None else None
+    others = {name: load_drafter(path, target, args.dtype, tokenizer) for name, path in compare.items()}
     prompts = load_bench_prompts(tokenizer, args.datasets.split(","), args.num_prompts, chat=not args.no_chat)
     if args.batch_size:
         run_batch_bench(args, target, tokenizer, drafter, prompts, block_size)
         return
     config = {"target": target_name, "drafter": draft_name, "block_size": block_size,
+              "compare_drafters": compare,
               "chat": not args.no_chat, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result = run_suite(target, prompts, drafter, methods, args.max_new_tokens, args.repeats, args.temperature,
-                       args.seed, args.context_len, args.verify_repeats, config, block_size=block_size)
+                       args.seed, args.context_len, args.verify_repeats, config, block_size=block_size,
+                       other_drafters=others)
     paths = write_report(result, args.out)
     print(paths["markdown"].read_text())
     print("\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+
+
+def compare_draft_paths(specs: list[str]) -> dict[str, str]:
+    """``--compare-draft NAME=PATH`` flags -> ``{NAME: PATH}``, checked before any model loads."""
+    paths = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not name or not path or "@" in name or name in paths:
+            raise DFlashUserError(f"--compare-draft {spec!r}: write NAME=PATH, with a NAME of its own (no '@'), e.g. "
+                                  "--compare-draft run11=runs/run11/final")
+        paths[name] = path
+    return paths
 
 
 def dataset_records(datasets, limit) -> list[tuple[str, dict]]:

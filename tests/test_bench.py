@@ -168,6 +168,37 @@ def test_first_difference_interpolation_and_verify_curve(models):
     assert sorted(curve["r"]) == [1, 2, 4] and all(len(t) == 1 for t in curve["t_s"].values())
 
 
+def test_a_second_drafter_runs_interleaved_as_its_own_method(models):
+    """``other_drafters`` (``bench --compare-draft NAME=PATH``): ``dflash@NAME`` runs in the same rotation as the
+    others, token-identical in fp32, with its own drafter forwards hooked into the draft phase and its own tau."""
+    target, drafter = models
+    other = tiny_drafter(target, block_size=BLOCK, seed=5)
+    calls = []
+    hook = other.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        result = run_suite(target, prompts()[:1], drafter, ("greedy", "dflash"), max_new_tokens=NEW, repeats=2,
+                           context_len=32, verify_repeats=1, progress=False, other_drafters={"seed5": other})
+    finally:
+        hook.remove()
+    runs = [r for r in result["runs"] if r["method"] == "dflash@seed5"]
+    assert len(runs) == 2 and len({r["slot"] for r in runs}) == 2  # rotated with the other two methods
+    assert all(r["identical"] and r["phases_s"]["draft"] > 0 for r in runs)
+    rows = {r["method"]: r for r in result["summary"] if r["dataset"] == "all"}
+    assert set(rows) == {"greedy", "dflash", "dflash@seed5"} and rows["dflash@seed5"]["block"] == BLOCK
+    # the second drafter drafted every round of its runs (plus the warm-up's)
+    assert len(calls) >= sum(len(r["acceptance_lengths"]) for r in runs)
+
+
+def test_compare_draft_needs_a_name_before_any_model_loads(capsys):
+    from dflash_hf.cli import main
+
+    assert main(["bench", "--compare-draft", "runs/run11/final"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "NAME=PATH" in err
+    assert main(["bench", "--compare-draft", "a=x", "--batch-size", "4"]) == 1
+    assert "per-prompt benchmark only" in capsys.readouterr().err
+
+
 def test_bench_parser_defaults_and_options():
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))

@@ -127,20 +127,25 @@ def build_methods(drafter=None, names=ALL_METHODS, temperature: float = 0.0, blo
                 "dflash_builtin": {"assistant_model": drafter, "speculation_type": "dflash"},
                 "oracle": {"assistant_model": OracleDrafter(drafter)},
             }[name]
-            if block != drafter.config.block_size:  # per call; the adaptive choice as the drafter's default says
-                adaptive = name in ("dflash", "dflash_nolookup") and drafter.adaptive_block_size
-                kwargs |= {"num_assistant_tokens": block - 1,
-                           "num_assistant_tokens_schedule": "heuristic" if adaptive else "constant"}
-            methods.append(Method(name, kwargs, block))
+            adaptive = name in ("dflash", "dflash_nolookup") and drafter.adaptive_block_size
+            methods.append(Method(name, kwargs | _block_kwargs(drafter, block, adaptive), block))
         else:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
     for name, other in (other_drafters or {}).items():
-        kwargs = {"assistant_model": other}
-        if block != other.config.block_size:
-            kwargs |= {"num_assistant_tokens": block - 1,
-                       "num_assistant_tokens_schedule": "heuristic" if other.adaptive_block_size else "constant"}
+        if other.config.block_size < block:
+            raise ValueError(f"drafter {name!r} drafts blocks of {other.config.block_size}, fewer than {block}: "
+                             f"compare them at --block-size {other.config.block_size}")
+        kwargs = {"assistant_model": other} | _block_kwargs(other, block, other.adaptive_block_size)
         methods.append(Method(f"dflash@{name}", kwargs, block))
     return methods
+
+
+def _block_kwargs(drafter, block: int, adaptive: bool) -> dict:
+    """``generate`` kwargs that draft blocks of ``block`` with ``drafter`` when that is not its own block size: per
+    call, with the adaptive choice as the drafter's default says."""
+    if block == drafter.config.block_size:
+        return {}
+    return {"num_assistant_tokens": block - 1, "num_assistant_tokens_schedule": "heuristic" if adaptive else "constant"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

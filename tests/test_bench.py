@@ -189,6 +189,20 @@ def test_a_second_drafter_runs_interleaved_as_its_own_method(models):
     assert len(calls) >= sum(len(r["acceptance_lengths"]) for r in runs)
 
 
+def test_a_smaller_block_is_asked_per_call_of_every_drafter_and_a_shorter_drafter_is_refused(models):
+    target, drafter = models
+    other = tiny_drafter(target, block_size=BLOCK, seed=5, adaptive=True)
+    methods = {m.name: m for m in build_methods(drafter, ("greedy", "dflash", "oracle"), block_size=2,
+                                                other_drafters={"o": other})}
+    assert {name: m.block for name, m in methods.items()} == {"greedy": 1, "dflash": 2, "oracle": 2, "dflash@o": 2}
+    assert methods["dflash"].generate_kwargs["num_assistant_tokens"] == 1
+    assert methods["dflash"].generate_kwargs["num_assistant_tokens_schedule"] == "constant"  # not adaptive
+    assert methods["dflash@o"].generate_kwargs["num_assistant_tokens_schedule"] == "heuristic"  # adaptive
+    assert "num_assistant_tokens" not in build_methods(drafter, ("dflash",), other_drafters={"o": other})[1].generate_kwargs
+    with pytest.raises(ValueError, match="drafts blocks of 2, fewer than 4"):
+        build_methods(drafter, ("dflash",), other_drafters={"short": tiny_drafter(target, block_size=2)})
+
+
 def test_compare_draft_needs_a_name_before_any_model_loads(capsys):
     from dflash_hf.cli import main
 

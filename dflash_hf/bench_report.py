@@ -146,8 +146,10 @@ def render_markdown(result: dict) -> str:
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['torch_threads']} torch thread(s), "
         f"{machine['dtype']}, torch {machine['torch']}, transformers {machine['transformers']}, "
         f"load average {machine['loadavg']}.",
-        f"Run: {config.get('target')}, drafter {config.get('drafter')}, max_new_tokens {config['max_new_tokens']}, "
-        f"{config['repeats']} repeat(s), temperature {config['temperature']}.",
+        f"Run: {config.get('target')}, drafter {config.get('drafter')}"
+        + "".join(f", dflash@{name} = {path}" for name, path in (config.get("compare_drafters") or {}).items())
+        + f", max_new_tokens {config['max_new_tokens']}, {config['repeats']} repeat(s), "
+        f"temperature {config['temperature']}.",
         "",
         "| dataset | method | decode tok/s | TTFT ms | speedup | paired range | tau | identical | draft / context / "
         "verify / glue ms per round | r in run | predicted S | with o | ceiling |",

@@ -185,6 +185,8 @@ def test_a_second_drafter_runs_interleaved_as_its_own_method(models):
     assert all(r["identical"] and r["phases_s"]["draft"] > 0 for r in runs)
     rows = {r["method"]: r for r in result["summary"] if r["dataset"] == "all"}
     assert set(rows) == {"greedy", "dflash", "dflash@seed5"} and rows["dflash@seed5"]["block"] == BLOCK
+    result["config"].update(drafter="default", compare_drafters={"seed5": "runs/seed5/final"})
+    assert "drafter default, dflash@seed5 = runs/seed5/final, max_new_tokens" in render_markdown(result)
     # the second drafter drafted every round of its runs (plus the warm-up's)
     assert len(calls) >= sum(len(r["acceptance_lengths"]) for r in runs)
 

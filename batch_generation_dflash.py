@@ -104,7 +104,7 @@ class BatchDraftLengthController(DraftLengthController):
       drafts (``explored``, as at batch 1) plus ``drafting`` plus, for a size not measured yet, what the probe
       loses if no draft is accepted -- stays within the exploration budget (``allowance`` plus ``explore_share`` of
       the rounds so far; twice the single-sequence budget, see ``explore_share``). Drafting that pays earns room for
-      more (but not for shadow drafts, which are judged by their own spending alone); drafting that does not -- the
+      more, and for shadow drafts up to one ``allowance`` of it (`shadow_affordable`); drafting that does not -- the
       first probes at 1, 3 and 7 drafts, rounds drafted on estimates that have not caught up with the text -- costs
       the call at most the budget plus one round, and the batch decodes plainly until plain rounds have restored it.
 
@@ -147,6 +147,16 @@ class BatchDraftLengthController(DraftLengthController):
         size chosen because it pays, nothing (its booking stops it after the fact if it does not)."""
         risk = 0.0 if num_drafts in self.cost else self.estimated_cost(num_drafts) - 1.0
         return self.explored + self.drafting + risk <= self.allowance + self.explore_share * self.rounds
+
+    def shadow_affordable(self) -> bool:
+        """Shadow rounds pay from the drafter's whole bill, drafting included, with at most ``allowance`` of what
+        drafting gained counted for them. A batch whose drafted rounds stop paying decodes plainly with the
+        acceptance estimates they left, and only a shadow can move those again; judged by their own spending alone,
+        shadows stayed unaffordable after the first two (1 plain round at 0.5 each), so at batch 4 a call whose
+        blocks of 7 had gained 0.6 plain rounds decoded its last 40 rounds plainly without judging a draft. A
+        drafting loss leaves less room for shadows, as for drafted rounds."""
+        bill = self.explored + max(self.drafting, -self.allowance)
+        return bill + self.shadow_price() <= self.allowance + self.explore_share * self.rounds
 
     def estimated_cost(self, num_drafts: int) -> float:
         """Measured cost in plain rounds; a size not measured yet is priced on the line through the two largest

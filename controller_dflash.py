@@ -234,8 +234,12 @@ class DraftLengthController:
         best = self.best() or self.best(slow=True)
         if best > 0:
             return best
-        self.shadow = self.explored + self.shadow_price() <= self.allowance + self.explore_share * self.rounds
+        self.shadow = self.shadow_affordable()
         return self._charge_shadow()
+
+    def shadow_affordable(self) -> bool:
+        """Whether the exploration budget has room for one more shadow round at its expected price."""
+        return self.explored + self.shadow_price() <= self.allowance + self.explore_share * self.rounds
 
     def _charge_shadow(self) -> int:
         """Charge a shadow round's expected price to the exploration budget when it is chosen (`record_shadow_cost`

@@ -488,6 +488,24 @@ def test_a_size_never_measured_is_priced_on_the_line_through_the_measured_ones()
     assert controller.explored + 2.2 - 1.0 <= controller.allowance + controller.explore_share * controller.rounds
 
 
+def test_drafting_that_paid_leaves_room_for_a_shadow_and_a_drafting_loss_takes_it():
+    """When plain decoding wins again, a shadow round pays from the drafter's whole bill: what drafting gained (at
+    most one allowance of it) leaves room for one after the shadows have spent theirs; what it lost leaves none."""
+    from dflash_hf.batch_generation_dflash import BatchDraftLengthController
+
+    def after_drafting(bill, explored=1.0):
+        controller = BatchDraftLengthController(15, batch_size=4)
+        controller.cost, controller.step_seconds, controller.plain_timed = {0: 1.0, 1: 1.5, 3: 1.8}, 1.0, 3
+        controller.acceptance, controller.judged = [[0.2] * 15, [0.2] * 15], 4  # drafting no longer pays
+        controller.rounds, controller.since_plain, controller.explored, controller.drafting = 20, 0, explored, bill
+        return controller.choose(), controller.shadow
+
+    assert after_drafting(0.0) == (0, False)  # two shadows spent the budget (1 + 0.015 * 21 < 1.5)
+    assert after_drafting(-0.6) == (0, True)  # drafting gained 0.6: one more shadow
+    assert after_drafting(-30.0, explored=2.0) == (0, False)  # a gain counts up to one allowance: 2 - 1 + 0.5 > 1.3
+    assert after_drafting(1.2, explored=0.0) == (0, False)  # a loss leaves no room: 0 + 1.2 + 0.5 > 1.3
+
+
 def test_a_shadow_round_is_booked_at_its_measured_drafter_forward_once_the_unit_is_timed():
     """A shadow round's drafter forward is charged at the assumed price when chosen and booked at what it measured
     (its seconds over the unit) once the unit is timed; the first one, before any plain round, stays at the charge."""

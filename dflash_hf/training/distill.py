@@ -175,6 +175,7 @@ def distill(config: DistillConfig) -> dict:
     logger.info("%d prompts, %d shards (%d already done), layer ids %s", len(encoded), num_shards,
                 len(mine) - len(todo), layer_ids)
     start, written, tokens = time.monotonic(), [], 0
+    resumed = [] if resuming else None  # the shard names this run adds to a corpus that had a manifest
     bar = tqdm(total=sum(min(config.shard_size, len(encoded) - s * config.shard_size) for s in todo), unit="prompt",
                desc="distill", disable=rank != 0 or config.quiet)
     for shard in todo:
@@ -201,11 +202,13 @@ def distill(config: DistillConfig) -> dict:
             bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - start, 1e-9):.0f}")
         write_shard(shard_path(out_dir, shard), sequences, [p.id for p, _ in chunk], layer_ids)
         written.append(shard)
+        if resumed is not None:
+            resumed.append(shard_path(out_dir, shard).name)
         if rank == 0:
-            _write_manifest(out_dir, info, [shard_path(out_dir, s).name for s in written] if resuming else None)
+            _write_manifest(out_dir, info, resumed)
     bar.close()
     if rank == 0:
-        _write_manifest(out_dir, info, [shard_path(out_dir, s).name for s in written] if resuming else None)
+        _write_manifest(out_dir, info, resumed)
     return dict(written=written, skipped_shards=len(mine) - len(todo), problems=problems, new_tokens=tokens,
                 seconds=time.monotonic() - start)
 

@@ -22,7 +22,10 @@ from dflash_hf.training.blocks import (
     build_flex_block_mask,
     sample_anchors,
 )
+from transformers import AutoModelForCausalLM
+
 from dflash_hf.cli import build_parser
+from dflash_hf.training import distill as distill_module
 from dflash_hf.training.data import ShardDataset, collate
 from dflash_hf.training.trainer import (
     RunClock,
@@ -127,6 +130,34 @@ def test_block_inputs_labels_and_weights():
     labels, weights = block_labels_and_weights(input_ids, torch.ones(1, 8), torch.tensor([[6]]),
                                                torch.tensor([[True]]), 3, gamma=None)
     assert labels.tolist() == [[16, 17, 0]] and weights.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_sampled_answers_learn_the_greedy_path_up_to_their_first_departure():
+    """With the target's predictions ``next_ids``, row k learns the prediction after token p - 1 (not the sampled
+    token at p), and only while the tokens between anchor and row follow the predictions."""
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]])
+    greedy_answer = torch.cat([input_ids[:, 1:], torch.zeros(1, 1, dtype=torch.long)], dim=1)
+    anchors, keep = torch.tensor([[2]]), torch.tensor([[True]])
+    # on the target's own greedy answer, the predictions are the next tokens: the same labels as without them
+    plain = block_labels_and_weights(input_ids, loss_mask, anchors, keep, 4, gamma=None)
+    same = block_labels_and_weights(input_ids, loss_mask, anchors, keep, 4, gamma=None, next_ids=greedy_answer)
+    assert plain[0].tolist() == same[0].tolist() == [[12, 13, 14, 15]]
+    assert plain[1].tolist() == same[1].tolist() == [[0, 1, 1, 1]]
+    # token 14 at position 4 was sampled: greedy decoding would have written 99 after 13
+    sampled = greedy_answer.clone()
+    sampled[0, 3] = 99
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, 4, gamma=None, next_ids=sampled)
+    assert labels.tolist() == [[12, 13, 99, 15]]  # position 4 learns the greedy 99; position 5 is off the path
+    assert weights.tolist() == [[0, 1, 1, 0]]
+    # a departure right after the anchor still teaches the first draft; one at the anchor itself changes nothing
+    sampled = greedy_answer.clone()
+    sampled[0, 2] = 98
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, 4, gamma=None, next_ids=sampled)
+    assert labels.tolist() == [[12, 98, 14, 15]] and weights.tolist() == [[0, 1, 0, 0]]
+    sampled = greedy_answer.clone()
+    sampled[0, 1] = 97  # the anchor 12 itself was sampled: its block is the greedy continuation of 12 all the same
+    assert block_labels_and_weights(input_ids, loss_mask, anchors, keep, 4, None, sampled)[1].tolist() == [[0, 1, 1, 1]]
 
 
 def test_sample_anchors_stay_in_the_response_sorted_and_seeded():
@@ -529,7 +560,7 @@ def test_torchrun_two_processes_gloo(work, tmp_path):
     assert (out / "final" / "model.safetensors").exists()
 
 
-def test_features_stage_adds_what_distill_stores(work, tmp_path):
+def test_features_stage_adds_what_distill_stores(work, tmp_path, monkeypatch):
     """Token-only shards + `dflash-hf features` == the shards `distill` writes with features (same tokens, same
     hidden states of the +1-offset layers), and a rerun skips finished shards."""
     tokens_only = tmp_path / "tokens"
@@ -547,6 +578,26 @@ def test_features_stage_adds_what_distill_stores(work, tmp_path):
         torch.testing.assert_close(with_features[i]["features"].float(), reference[i]["features"].float(),
                                    atol=0.05, rtol=0.02)
     assert main(argv)["written"] == []
+    # next_ids: the target's argmax after each token (+1 offset), taken a position at a time here (chunked head)
+    # and equal to the full logits' argmax; on its own greedy answers it is the next token
+    shard = "shard-00000.safetensors"
+    assert "next_ids" not in load_file(tokens_only / shard) and "next_ids" in load_file(tmp_path / "feats" / shard)
+    target = AutoModelForCausalLM.from_pretrained(work / "target", dtype=torch.float32)
+    monkeypatch.setattr(distill_module, "ARGMAX_CHUNK", 1)
+    chunked = tmp_path / "chunked"
+    main(["features", "--target", str(work / "target"), "--data", str(tokens_only), "--out", str(chunked)])
+    for i in range(len(reference)):
+        sample, token_only = ShardDataset(chunked)[i], ShardDataset(tokens_only)[i]
+        ids = sample["input_ids"]
+        with torch.no_grad():
+            out = target(ids[None], output_hidden_states=True)
+        argmax = out.logits[0].argmax(-1)
+        assert torch.equal(sample["next_ids"], argmax) and torch.equal(with_features[i]["next_ids"], argmax)
+        expected = torch.cat([out.hidden_states[layer + 1][0] for layer in (0, 2)], dim=-1)  # the +1 offset
+        torch.testing.assert_close(sample["features"].float(), expected, atol=0.05, rtol=0.02)
+        response = sample["loss_mask"][1:].bool()
+        assert torch.equal(sample["next_ids"][:-1][response], ids[1:][response])
+        assert torch.equal(token_only["next_ids"][:-1], ids[1:])  # no stored predictions: the answer's own tokens
 
 
 def test_vocab_subset_head_keeps_the_loss_of_in_subset_labels():

@@ -9,7 +9,8 @@ Pure tensor functions, no model. Shapes: ``b`` batch, ``S`` sequence length (con
 Block ``n`` is ``[input_ids[a_n], MASK x (B-1)]`` at positions ``a_n .. a_n+B-1``. It sees the context strictly
 before its anchor (``kv < a_n``: at inference the anchor is the last committed token, whose target hidden state
 does not exist yet), itself bidirectionally, and no other block. Row ``k`` of block ``n`` predicts
-``input_ids[a_n + k]`` (same position, no shift), with weight ``exp(-(k-1)/gamma)`` for ``k >= 1``.
+``input_ids[a_n + k]`` (same position, no shift), with weight ``exp(-(k-1)/gamma)`` for ``k >= 1``; on a sampled
+answer, the target's greedy prediction there instead, while the block's tokens stay on its greedy path.
 
 These are the two pitfalls SpecForge PR #473 fixed (``kv <= anchor`` and labels shifted by one); the tests pin both.
 """
@@ -122,11 +123,19 @@ def block_labels_and_weights(
     keep: torch.BoolTensor,
     block_size: int,
     gamma: float | None,
+    next_ids: torch.LongTensor | None = None,
 ) -> tuple[torch.LongTensor, torch.Tensor]:
     """Same-position labels and loss weights ``[b, N*B]``.
 
-    ``labels[n*B + k] = input_ids[anchor_n + k]``; ``weights = keep * in_bounds * (k > 0) * loss_mask[anchor+k] *
-    exp(-(k-1)/gamma)`` (``gamma=None`` or ``<= 0``: uniform). Positions past the sequence get label 0, weight 0.
+    Row ``k`` of block ``n`` (position ``p = anchor_n + k``) learns the token greedy decoding puts at ``p`` after
+    the anchor: ``next_ids[p - 1]``, the target's prediction after token ``p - 1`` (``next_ids=None``: the sequence
+    is the target's own greedy answer, so that token is ``input_ids[p]``). That is the greedy continuation of the
+    anchor only while the sequence itself stayed on it, so a row counts only when every token between the anchor
+    and it is the target's prediction (``input_ids[q] == next_ids[q - 1]`` for ``anchor < q < p``): on a sampled
+    answer a block learns the greedy path up to the first sampled departure and nothing after it.
+
+    ``weights = keep * in_bounds * (k > 0) * on_greedy_path * loss_mask[p] * exp(-(k-1)/gamma)`` (``gamma=None`` or
+    ``<= 0``: uniform). Positions past the sequence get label 0, weight 0.
     """
     batch, seq_len = input_ids.shape
     num = anchors.shape[1]
@@ -134,10 +143,19 @@ def block_labels_and_weights(
     label_pos = anchors[:, :, None] + offsets  # [b, N, B]
     in_bounds = label_pos < seq_len
     clamped = label_pos.clamp(max=seq_len - 1).reshape(batch, -1)
-    labels = input_ids.gather(1, clamped).reshape(batch, num, block_size).masked_fill(~in_bounds, 0)
+    tokens = input_ids.gather(1, clamped).reshape(batch, num, block_size)
+    if next_ids is None:
+        labels, on_path = tokens, torch.ones_like(tokens, dtype=torch.float32)
+    else:
+        predicted = next_ids.gather(1, (clamped - 1).clamp(min=0)).reshape(batch, num, block_size)
+        labels = torch.cat([tokens[:, :, :1], predicted[:, :, 1:]], dim=2)
+        # follows[k]: token k of the block is the prediction after token k - 1 (k = 0, the anchor, needs nothing)
+        follows = (tokens == predicted) | (offsets == 0)
+        on_path = torch.cat([torch.ones_like(follows[:, :, :1]), follows[:, :, :-1]], dim=2).cumprod(dim=2).float()
+    labels = labels.masked_fill(~in_bounds, 0)
     response = loss_mask.to(torch.float32).gather(1, clamped).reshape(batch, num, block_size)
     decay = decay_weights(block_size, gamma, device=input_ids.device)
-    weights = keep[:, :, None].float() * in_bounds.float() * response * decay
+    weights = keep[:, :, None].float() * in_bounds.float() * on_path * response * decay
     return labels.reshape(batch, -1), weights.reshape(batch, -1)
 
 

@@ -18,6 +18,8 @@ Shard layout (``shard-00000.safetensors``, written atomically, so an existing fi
     loss_mask  uint8 [T]        1 on response tokens the target generated (incl. its EOS), 0 on the prompt
     offsets    int64 [n + 1]    sequence i is [offsets[i], offsets[i + 1])
     features   bf16  [T, F*H]   optional: concatenated target hidden states hidden_states[l + 1], l in layer_ids
+    next_ids   uint16 [T]       optional, written with features: the target's argmax after each token (its greedy
+                                prediction of the next one); int32 like input_ids
 
 Metadata (safetensors string map): ``ids`` (JSON list of prompt ids), ``target_layer_ids`` (JSON), ``format``.
 """
@@ -99,21 +101,27 @@ def shard_path(directory, index: int) -> Path:
 
 def write_shard(path, sequences: list[dict], ids: list[str], target_layer_ids: list[int] | None) -> None:
     """Write one shard atomically (tmp file + rename). ``sequences``: dicts of ``input_ids``, ``loss_mask``,
-    optionally ``features`` (1D/2D tensors of equal length)."""
+    optionally ``features`` and ``next_ids`` (1D/2D tensors of equal length)."""
     path = Path(path)
     lengths = [len(s["input_ids"]) for s in sequences]
     offsets = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     input_ids = torch.cat([s["input_ids"].to(torch.int32) for s in sequences])
+    next_ids = None
+    if sequences and sequences[0].get("next_ids") is not None:
+        next_ids = torch.cat([s["next_ids"].to(torch.int32) for s in sequences])
     # uint16 halves a token-only shard whenever the vocabulary allows (SmolLM2's 49,152 ids do)
-    compact = len(input_ids) == 0 or int(input_ids.max()) < 2**16
+    compact = all(len(t) == 0 or int(t.max()) < 2**16 for t in (input_ids, next_ids) if t is not None)
+    id_dtype = torch.uint16 if compact else torch.int32
     tensors = {
-        "input_ids": input_ids.to(torch.uint16) if compact else input_ids,
+        "input_ids": input_ids.to(id_dtype),
         "loss_mask": torch.cat([s["loss_mask"].to(torch.uint8) for s in sequences]),
         "offsets": offsets,
     }
     if sequences and sequences[0].get("features") is not None:
         tensors["features"] = torch.cat([s["features"].to(torch.bfloat16) for s in sequences]).contiguous()
+    if next_ids is not None:
+        tensors["next_ids"] = next_ids.to(id_dtype)
     metadata = {"format": SHARD_FORMAT, "ids": json.dumps(ids), "target_layer_ids": json.dumps(target_layer_ids)}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
@@ -122,8 +130,10 @@ def write_shard(path, sequences: list[dict], ids: list[str], target_layer_ids: l
 class ShardDataset(torch.utils.data.Dataset):
     """Sequences of every ``shard-*.safetensors`` under ``directory``, read lazily (features sliced per sequence).
 
-    ``item -> {"input_ids": long [T], "loss_mask": float [T], "features": bf16 [T, F*H] or absent}``, truncated to
-    ``max_length``.
+    ``item -> {"input_ids": long [T], "loss_mask": float [T], "next_ids": long [T], "features": bf16 [T, F*H] or
+    absent}``, truncated to ``max_length``. ``next_ids`` are the shard's stored target predictions; a shard without
+    them holds the target's own greedy answers, whose next token *is* the prediction: ``input_ids`` shifted left
+    (the last entry, which no label reads, is 0).
     """
 
     def __init__(self, directory, max_length: int | None = None, load_features: bool = True):
@@ -134,11 +144,12 @@ class ShardDataset(torch.utils.data.Dataset):
         self.index: list[tuple[int, int, int]] = []  # (shard, start, end)
         self.has_features = load_features
         self.target_layer_ids = None
-        self._tokens: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tokens: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         for shard, path in enumerate(self.paths):
             with safe_open(str(path), framework="pt") as handle:
                 offsets = handle.get_tensor("offsets").tolist()
-                self._tokens[shard] = (handle.get_tensor("input_ids"), handle.get_tensor("loss_mask"))
+                stored = handle.get_tensor("next_ids") if "next_ids" in handle.keys() else None
+                self._tokens[shard] = (handle.get_tensor("input_ids"), handle.get_tensor("loss_mask"), stored)
                 self.has_features = self.has_features and "features" in handle.keys()
                 meta = handle.metadata() or {}
                 if meta.get("target_layer_ids"):
@@ -151,7 +162,7 @@ class ShardDataset(torch.utils.data.Dataset):
     def response_token_counts(self) -> torch.LongTensor:
         """How often each token id occurs among response tokens (``loss_mask`` 1): ``[max id + 1]``."""
         counts = torch.zeros(0, dtype=torch.long)
-        for input_ids, loss_mask in self._tokens.values():
+        for input_ids, loss_mask, _ in self._tokens.values():
             ids = input_ids[loss_mask.bool()].long()
             shard_counts = torch.bincount(ids, minlength=len(counts))
             counts = torch.nn.functional.pad(counts, (0, len(shard_counts) - len(counts))) + shard_counts
@@ -166,8 +177,12 @@ class ShardDataset(torch.utils.data.Dataset):
         shard, start, end = self.index[item]
         if self.max_length is not None:
             end = min(end, start + self.max_length)
-        input_ids, loss_mask = self._tokens[shard]
+        input_ids, loss_mask, next_ids = self._tokens[shard]
         sample = {"input_ids": input_ids[start:end].long(), "loss_mask": loss_mask[start:end].float()}
+        if next_ids is not None:
+            sample["next_ids"] = next_ids[start:end].long()
+        else:
+            sample["next_ids"] = torch.cat([sample["input_ids"][1:], sample["input_ids"].new_zeros(1)])
         if self.has_features:
             with safe_open(str(self.paths[shard]), framework="pt") as handle:
                 sample["features"] = handle.get_slice("features")[start:end]
@@ -181,13 +196,14 @@ def most_frequent(counts: torch.LongTensor, count: int) -> tuple[torch.LongTenso
 
 
 def collate(samples: list[dict], pad_token_id: int = 0) -> dict:
-    """Right-pad a list of samples: ``input_ids``/``loss_mask``/``attention_mask`` ``[b, S]``, ``features``
-    ``[b, S, F*H]`` when present. Right padding keeps positions ``0..len-1`` for every real token."""
+    """Right-pad a list of samples: ``input_ids``/``loss_mask``/``attention_mask`` ``[b, S]``, ``next_ids`` ``[b, S]``
+    and ``features`` ``[b, S, F*H]`` when present. Right padding keeps positions ``0..len-1`` for every real token."""
     seq_len = max(len(s["input_ids"]) for s in samples)
     batch = len(samples)
     input_ids = torch.full((batch, seq_len), pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros(batch, seq_len)
     attention_mask = torch.zeros(batch, seq_len, dtype=torch.long)
+    next_ids = torch.zeros(batch, seq_len, dtype=torch.long) if "next_ids" in samples[0] else None
     features = None
     if "features" in samples[0]:
         width = samples[0]["features"].shape[-1]
@@ -197,9 +213,13 @@ def collate(samples: list[dict], pad_token_id: int = 0) -> dict:
         input_ids[i, :n] = sample["input_ids"]
         loss_mask[i, :n] = sample["loss_mask"]
         attention_mask[i, :n] = 1
+        if next_ids is not None:
+            next_ids[i, :n] = sample["next_ids"]
         if features is not None:
             features[i, :n] = sample["features"]
     out = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+    if next_ids is not None:
+        out["next_ids"] = next_ids
     if features is not None:
         out["features"] = features
     return out

@@ -4,7 +4,8 @@ Per shard of ``--shard-size`` prompts: chat template -> batched generation (left
 sampling, ``max_new_tokens``) -> **one teacher-forced target forward** over each ``prompt + response`` (right
 padding, batched) that captures ``hidden_states[l + 1]`` for the drafter's ``target_layer_ids``. The extra forward
 is cheap next to generation and gives exactly the features the target produces at verify time (capturing them during
-generation matches to cosine 0.99994, see cpu-training-notes), without threading hooks through ``generate``.
+generation matches to cosine 0.99994, see cpu-training-notes), without threading hooks through ``generate``; it also
+records the target's greedy prediction after every token (``next_ids``), the labels of sampled answers.
 
 Resumable: a shard file exists only once complete (tmp file + rename), so a rerun skips finished shards and a crash
 loses at most the shard in progress. ``manifest.json`` lists the finished shards. Multi-process: with ``RANK`` and
@@ -76,23 +77,44 @@ def generate_responses(model, tokenizer, prompt_ids: list[list[int]], max_new_to
     return responses
 
 
+# Logits of this many positions x vocabulary entries at a time: the argmax over every position of a batch without
+# holding the batch's whole [b, T, V] logits (1.5 GB for 8 sequences of 1,000 tokens of a 49k vocabulary in fp32).
+ARGMAX_CHUNK = 2**24
+
+
 @torch.no_grad()
-def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[int], pad_id: int) -> list[torch.Tensor]:
-    """One batched forward (right padding) -> per sequence ``[T, F*H]`` bf16 features ``hidden_states[l + 1]``."""
+def target_pass(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor, layer_ids: list[int]):
+    """One teacher-forced forward of the target over a right-padded batch ``[b, T]``.
+
+    Returns ``features [b, T, F*H]`` (``hidden_states[l + 1]`` of ``layer_ids``, concatenated) and ``next_ids
+    [b, T]``: the target's greedy prediction after each token (``next_ids[:, t]`` is the argmax of its logits at
+    ``t``, the token greedy decoding would put at ``t + 1``). On the target's own greedy answers ``next_ids[:, t] ==
+    input_ids[:, t + 1]`` wherever the dtype's rounding agrees; on sampled answers they are the labels that keep
+    training on greedy continuations.
+    """
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                              output_hidden_states=[i + 1 for i in layer_ids])
+    features = extract_context_feature(out.hidden_states, layer_ids)
+    head, hidden = model.get_output_embeddings(), out.last_hidden_state
+    step = max(1, ARGMAX_CHUNK // (hidden.shape[0] * head.weight.shape[0]))
+    # a monotone logit transform after the head (soft-capping, scaling) leaves the argmax where it is
+    next_ids = torch.cat([head(part).argmax(-1) for part in hidden.split(step, dim=1)], dim=1)
+    return features, next_ids
+
+
+def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[int], pad_id: int
+                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`target_pass` over ``sequences`` (batched with right padding) -> per sequence ``(features [T, F*H] bf16,
+    next_ids [T])``."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for i, ids in enumerate(sequences):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention_mask[i, : len(ids)] = 1
-    out = model(
-        input_ids=input_ids.to(model.device),
-        attention_mask=attention_mask.to(model.device),
-        output_hidden_states=[i + 1 for i in layer_ids],
-        logits_to_keep=1,
-    )
-    features = extract_context_feature(out.hidden_states, layer_ids).to(torch.bfloat16).cpu()
-    return [features[i, : len(ids)] for i, ids in enumerate(sequences)]
+    features, next_ids = target_pass(model, input_ids.to(model.device), attention_mask.to(model.device), layer_ids)
+    features, next_ids = features.to(torch.bfloat16).cpu(), next_ids.cpu()
+    return [(features[i, : len(ids)], next_ids[i, : len(ids)]) for i, ids in enumerate(sequences)]
 
 
 # What one run of `distill` decides about the answers it writes; a resumed corpus keeps its first run's values and
@@ -190,12 +212,14 @@ def distill(config: DistillConfig) -> dict:
             responses = generate_responses(model, tokenizer, prompt_ids, config.max_new_tokens, config.temperature,
                                            eos, pad_id, drafter)
             full = [p + r for p, r in zip(prompt_ids, responses)]
-            feats = None if config.no_features else teacher_forced_features(model, full, layer_ids, pad_id)
+            passes = None if config.no_features else teacher_forced_features(model, full, layer_ids, pad_id)
             for i, (p, r) in enumerate(zip(prompt_ids, responses)):
+                features, next_ids = (None, None) if passes is None else passes[i]
                 sequences.append({
                     "input_ids": torch.tensor(full[i]),
                     "loss_mask": torch.tensor([0] * len(p) + [1] * len(r)),
-                    "features": None if feats is None else feats[i],
+                    "features": features,
+                    "next_ids": next_ids,
                 })
                 tokens += len(r)
             bar.update(len(batch))
@@ -218,7 +242,7 @@ def add_features(config: FeaturesConfig) -> dict:
 
     Each shard of ``config.data`` is read, its sequences go through `teacher_forced_features` in batches of
     ``config.batch_size`` (sorted by length, so padding stays small), and the shard is rewritten under ``config.out``
-    with ``features`` added. Resumable like `distill` (an existing output shard is complete); with
+    with ``features`` and ``next_ids`` (the target's greedy prediction after each token) added. Resumable like `distill` (an existing output shard is complete); with
     ``RANK``/``WORLD_SIZE`` process ``r`` takes shards ``r, r + W, ...``. Training from the result runs no target
     forward at all.
     """
@@ -244,19 +268,19 @@ def add_features(config: FeaturesConfig) -> dict:
         layer_ids = config.target_layer_ids or json.loads(meta.get("target_layer_ids") or "null") or \
             default_layer_ids(model.config, config.num_features)
         sequences = [input_ids[a:b].long().tolist() for a, b in zip(offsets, offsets[1:])]
-        features: list[torch.Tensor | None] = [None] * len(sequences)
+        passes: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
         for b in range(0, len(order), config.batch_size):
             chunk = order[b : b + config.batch_size]
-            for i, feats in zip(chunk, teacher_forced_features(model, [sequences[i] for i in chunk], layer_ids,
-                                                               pad_id)):
-                features[i] = feats
-        rows = [{"input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b], "features": f}
-                for (a, b), f in zip(zip(offsets, offsets[1:]), features)]
+            for i, result in zip(chunk, teacher_forced_features(model, [sequences[i] for i in chunk], layer_ids,
+                                                                pad_id)):
+                passes[i] = result
+        rows = [{"input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b], "features": f, "next_ids": n}
+                for (a, b), (f, n) in zip(zip(offsets, offsets[1:]), passes)]
         write_shard(out_dir / path.name, rows, json.loads(meta.get("ids") or "[]"), layer_ids)
         tokens += len(input_ids)
         written.append(path.name)
     return dict(written=written, tokens=tokens, seconds=time.monotonic() - start)
 
 
-__all__ = ["add_features", "distill", "encode_prompt", "generate_responses", "teacher_forced_features"]
+__all__ = ["add_features", "distill", "encode_prompt", "generate_responses", "target_pass", "teacher_forced_features"]

@@ -128,7 +128,7 @@ def evaluate_teacher_forced(config: EvalConfig, target, draft) -> dict:
     layer_ids = list(draft.config.target_layer_ids)
     if not dataset.has_features or dataset.target_layer_ids != layer_ids:
         for sample in samples:
-            (sample["features"],) = teacher_forced_features(target, [sample["input_ids"].tolist()], layer_ids, 0)
+            ((sample["features"], _),) = teacher_forced_features(target, [sample["input_ids"].tolist()], layer_ids, 0)
     results = {"draft": str(config.draft), "data": str(config.data), "num_sequences": len(samples), "results": []}
     for block_size in config.block_sizes:
         result = teacher_forced_tau(draft, target.get_input_embeddings(), target.get_output_embeddings(), samples,

@@ -2,15 +2,16 @@
 
 One optimizer step, per sequence batch (see `blocks` for the block layout):
 
-1. features: the shard's stored ``hidden_states[l + 1]`` of the target, or one no-grad target forward when the
-   shards have none (online);
+1. features: the shard's stored ``hidden_states[l + 1]`` of the target and its greedy prediction after each token,
+   or one no-grad target forward that computes both when the shards have none (online);
 2. random anchors in the response, all blocks side by side, one attention picture (context ``< anchor``,
    bidirectional inside a block, nothing across blocks): computed from the anchors alone by ``block_sparse``
    (`attention`, the CPU default), a FlexAttention ``BlockMask`` on CUDA, a dense boolean mask for SDPA/eager; the
    target's frozen embedding for ``[anchor, mask x (B-1)]``; the context cut where the last anchor starts;
 3. one drafter forward (its last MLP on the label rows only, `last_mlp_on_rows`); the target's frozen ``lm_head``
    on the label positions only (rows with weight > 0);
-4. weighted CE ``sum(w * CE) / sum(w)``, ``w_k = exp(-(k-1)/gamma)``; with ``--sample-positions`` each label
+4. weighted CE against the greedy continuation of the anchor (`block_labels_and_weights`: on a sampled answer, up
+   to its first departure from the target's greedy path) ``sum(w * CE) / sum(w)``, ``w_k = exp(-(k-1)/gamma)``; with ``--sample-positions`` each label
    position is kept with probability ``w_k`` at unit weight instead (same expected loss, fewer ``lm_head`` rows);
 5. AdamW, cosine schedule with warm-up, gradient clipping (``fc`` clipped on its own: massive target activations
    give it huge early gradients).
@@ -42,7 +43,7 @@ from tqdm.auto import tqdm
 
 from ..atomic import atomic_path, remove, remove_stale_temporaries, removed_on_error, replace, temporary_name
 from ..configuration_dflash import DFlashConfig
-from ..generation_dflash import DraftVocabHead, extract_context_feature
+from ..generation_dflash import DraftVocabHead
 from ..loading import DTYPES, resolve_device
 from ..modeling_dflash import DFlashDraftModel
 from .blocks import (
@@ -56,6 +57,7 @@ from .blocks import (
 from .attention import BLOCK_SPARSE, BlockLayout
 from .config import TrainConfig, TrainOptions
 from .data import ShardDataset, collate
+from .distill import target_pass
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +110,8 @@ def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor
         layout = {"block_layout": BlockLayout(anchors.to(device), keep.to(device))}
     else:
         mask = build_block_mask(anchors, keep, context_len, block_size).to(device)
-    labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block_size, gamma)
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block_size, gamma,
+                                               batch.get("next_ids"))
     if isinstance(lm_head, VocabSubsetHead):
         labels = lm_head.rows(labels)
         weights = weights * (labels >= 0)
@@ -190,14 +193,6 @@ def resolve_autocast(choice: bool | None, device: torch.device) -> tuple[bool, s
     if native:
         return True, f"auto: {native} computes bf16 natively"
     return False, f"auto: no native bf16 on {device.type} (no AMX / AVX-512 BF16), where float32 is faster"
-
-
-@torch.no_grad()
-def target_features(target, batch: dict, layer_ids: list[int]) -> torch.Tensor:
-    """Online features: one no-grad target forward over the right-padded batch."""
-    out = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                 output_hidden_states=[i + 1 for i in layer_ids], logits_to_keep=1)
-    return extract_context_feature(out.hidden_states, layer_ids)
 
 
 # ------------------------------------------------------------------------------------------------- model setup
@@ -664,8 +659,9 @@ def train_step(run: TrainingRun, window: MetricsWindow) -> tuple[float, int]:
         indices = [order[(first + j) % len(order)] for j in range(config.batch_size)]
         batch = {k: v.to(run.device) for k, v in collate([run.dataset[i] for i in indices], run.pad_id).items()}
         features = batch.pop("features", None)
-        if features is None:
-            features = target_features(run.target, batch, run.layer_ids)
+        if features is None:  # online: the target's features and its greedy predictions, as `features` stores them
+            features, batch["next_ids"] = target_pass(run.target, batch["input_ids"], batch["attention_mask"],
+                                                      run.layer_ids)
         sync = nullcontext() if (run.world == 1 or micro == config.grad_accum - 1) else run.model.no_sync()
         with sync:
             loss, stats = block_loss(

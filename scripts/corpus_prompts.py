@@ -8,6 +8,8 @@
   turn), in the same order (``corpora/*/code``). The cut stays at 1,728, where the ShareGPT corpus stood when the
   code corpus began, so that the file resumes the committed one; 150 of code prompts 0-191 are also ShareGPT
   prompts 1,728-2,591 and 42 are ShareGPT prompts 2,592-3,263, whose answers are therefore in both corpora;
+* ``sharegpt_long.jsonl``: the ShareGPT first turns among entries 0-9999 longer than 1,200 characters (the ones
+  ``sharegpt.jsonl`` leaves out), shortest first (``corpora/*/sharegpt-long``);
 * ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``);
 * ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to the first 96).
 
@@ -41,9 +43,12 @@ def write(path: Path, entries: list[dict]) -> None:
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    sharegpt = [e for e in read("sharegpt.jsonl")[:10000] if 20 <= len(e["turns"][0]) <= 1200]
+    entries = read("sharegpt.jsonl")[:10000]
+    sharegpt = [e for e in entries if 20 <= len(e["turns"][0]) <= 1200]
     sharegpt.sort(key=lambda e: len(e["turns"][0]))  # stable: ties keep the dataset's order
     write(out / "sharegpt.jsonl", sharegpt)
+    write(out / "sharegpt_long.jsonl", sorted((e for e in entries if len(e["turns"][0]) > 1200),
+                                              key=lambda e: len(e["turns"][0])))
     rest = sharegpt[SHAREGPT_USED:]
     write(out / "code.jsonl", [e for e in rest if e["turns"][0].isascii() and CODE_WORDS.search(e["turns"][0])])
     gsm8k = read("gsm8k.jsonl")[:1000]

@@ -309,10 +309,12 @@ def test_block_sparse_attention_equals_dense_mask(rule):
         assert not torch.allclose(plain, outputs[BLOCK_SPARSE], atol=1e-3)
 
 
+@pytest.mark.parametrize("answers", ["greedy", "sampled"])
 @pytest.mark.parametrize("implementation", ["block_sparse", "sdpa"])
-def test_block_loss_equals_the_plain_dense_loss(implementation):
+def test_block_loss_equals_the_plain_dense_loss(implementation, answers):
     """`block_loss` (context cut at the last anchor, the last MLP on label rows only, the chosen attention) gives
-    the loss and gradients of the plain formula: the whole context, the dense mask, every row through every layer."""
+    the loss and gradients of the plain formula: the whole context, the dense mask, every row through every layer;
+    on sampled answers, with the labels and rows of the batch's ``next_ids``."""
     torch.manual_seed(0)
     draft = DFlashDraftModel(tiny_config(num_hidden_layers=2))
     embed, head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50, bias=False)
@@ -321,13 +323,22 @@ def test_block_loss_equals_the_plain_dense_loss(implementation):
     loss_mask = torch.zeros(2, seq_len)
     loss_mask[0, 10:30], loss_mask[1, 5:] = 1, 1  # sequence 0 ends in padding: context after its anchors unseen
     batch = {"input_ids": input_ids, "loss_mask": loss_mask}
+    next_ids = None
+    if answers == "sampled":  # the target would have written another token after a third of the positions
+        next_ids = torch.cat([input_ids[:, 1:], torch.zeros(2, 1, dtype=torch.long)], dim=1)
+        departs = torch.rand(2, seq_len) < 0.3
+        next_ids[departs] = (next_ids[departs] + 1) % 49
+        batch["next_ids"] = next_ids
     features = torch.randn(2, seq_len, 64)
 
     # the plain formula, drawing anchors and positions in block_loss's order
     generator = torch.Generator().manual_seed(3)
     anchors, keep = sample_anchors(loss_mask, block, 6, generator)
     noise, positions = build_block_inputs(input_ids, anchors, block, 49, keep)
-    labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block, 2.0)
+    labels, weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block, 2.0, next_ids)
+    if next_ids is not None:  # the sampled answers change both
+        greedy_labels, greedy_weights = block_labels_and_weights(input_ids, loss_mask, anchors, keep, block, 2.0)
+        assert not torch.equal(labels, greedy_labels) and weights.sum() < greedy_weights.sum()
     chosen = (weights > 0) & (torch.rand(weights.shape, generator=generator) < weights)
     draft.config._attn_implementation = "sdpa"
     hidden = draft(noise_embedding=embed(noise), target_hidden=features, position_ids=positions,

@@ -244,9 +244,9 @@ def add_features(config: FeaturesConfig) -> dict:
 
     Each shard of ``config.data`` is read, its sequences go through `teacher_forced_features` in batches of
     ``config.batch_size`` (sorted by length, so padding stays small), and the shard is rewritten under ``config.out``
-    with ``features`` and ``next_ids`` (the target's greedy prediction after each token) added. Resumable like `distill` (an existing output shard is complete); with
-    ``RANK``/``WORLD_SIZE`` process ``r`` takes shards ``r, r + W, ...``. Training from the result runs no target
-    forward at all.
+    with ``features`` and ``next_ids`` (the target's greedy prediction after each token) added. Resumable like
+    `distill` (an existing output shard is complete); with ``RANK``/``WORLD_SIZE`` process ``r`` takes shards
+    ``r, r + W, ...``. Training from the result runs no target forward at all.
     """
     from safetensors import safe_open
 

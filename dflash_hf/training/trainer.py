@@ -11,8 +11,9 @@ One optimizer step, per sequence batch (see `blocks` for the block layout):
 3. one drafter forward (its last MLP on the label rows only, `last_mlp_on_rows`); the target's frozen ``lm_head``
    on the label positions only (rows with weight > 0);
 4. weighted CE against the greedy continuation of the anchor (`block_labels_and_weights`: on a sampled answer, up
-   to its first departure from the target's greedy path) ``sum(w * CE) / sum(w)``, ``w_k = exp(-(k-1)/gamma)``; with ``--sample-positions`` each label
-   position is kept with probability ``w_k`` at unit weight instead (same expected loss, fewer ``lm_head`` rows);
+   to its first departure from the target's greedy path) ``sum(w * CE) / sum(w)``, ``w_k = exp(-(k-1)/gamma)``;
+   with ``--sample-positions`` each label position is kept with probability ``w_k`` at unit weight instead (same
+   expected loss, fewer ``lm_head`` rows);
 5. AdamW, cosine schedule with warm-up, gradient clipping (``fc`` clipped on its own: massive target activations
    give it huge early gradients).
 

@@ -455,7 +455,8 @@ def test_distill_shards_resume_and_bad_lines(work, capsys):
     assert rewritten["target"] == "the tiny target, as a person named it"
     assert rewritten["dtype"] == manifest["dtype"] != "bfloat16"
     assert rewritten["resumes"] == [{"shards": ["shard-00001.safetensors"], "target": str(work / "target"),
-                                     "dtype": "bfloat16", "draft": None, "max_new_tokens": 40, "temperature": 0.0}]
+                                     "dtype": "bfloat16", "draft": None, "max_new_tokens": 40, "temperature": 0.0,
+                                     "seed": None}]
     responses = sum(int(ShardDataset(data)[i]["loss_mask"].sum()) for i in range(len(ShardDataset(data))))
     assert rewritten["response_tokens"] == responses > 0
 
@@ -609,6 +610,27 @@ def test_features_stage_adds_what_distill_stores(work, tmp_path, monkeypatch):
         response = sample["loss_mask"][1:].bool()
         assert torch.equal(sample["next_ids"][:-1][response], ids[1:][response])
         assert torch.equal(token_only["next_ids"][:-1], ids[1:])  # no stored predictions: the answer's own tokens
+
+
+def test_sampled_answers_are_seeded_recorded_and_labelled_with_the_greedy_path(work, tmp_path):
+    """`distill --temperature T --seed S` writes the same answers for the same seed, records both in the manifest,
+    and the stored ``next_ids`` mark where a sampled answer left the target's greedy path."""
+    def sample(out, seed):
+        main(["distill", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--out",
+              str(out), "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "40", "--target-layer-ids",
+              LAYERS, "--temperature", "1.0", "--seed", str(seed)])
+        return ShardDataset(out)
+
+    first, again, other = sample(tmp_path / "a", 5), sample(tmp_path / "b", 5), sample(tmp_path / "c", 6)
+    tokens = [torch.cat([d[i]["input_ids"] for i in range(len(d))]) for d in (first, again, other)]
+    assert torch.equal(tokens[0], tokens[1]) and not torch.equal(tokens[0], tokens[2])
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert (manifest["temperature"], manifest["seed"]) == (1.0, 5)
+    departures = 0
+    for i in range(len(first)):
+        ids, nxt, response = first[i]["input_ids"], first[i]["next_ids"], first[i]["loss_mask"][1:].bool()
+        departures += int((ids[1:] != nxt[:-1])[response].sum())
+    assert departures > 0  # a random tiny target at T = 1 leaves its greedy path: those rows train on the argmax
 
 
 def test_vocab_subset_head_keeps_the_loss_of_in_subset_labels():

@@ -119,9 +119,9 @@ def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[i
     return [(features[i, : len(ids)], next_ids[i, : len(ids)]) for i, ids in enumerate(sequences)]
 
 
-# What one run of `distill` decides about the answers it writes; a resumed corpus keeps its first run's values and
-# lists each later run's under ``resumes``.
-RUN_FIELDS = ("target", "dtype", "draft", "max_new_tokens", "temperature")
+# What one run of `distill` decides about the answers it writes (the seed only when it samples); a resumed corpus
+# keeps its first run's values and lists each later run's under ``resumes``.
+RUN_FIELDS = ("target", "dtype", "draft", "max_new_tokens", "temperature", "seed")
 
 
 def _write_manifest(out_dir: Path, info: dict, resumed_shards: list[str] | None = None) -> None:
@@ -195,7 +195,8 @@ def distill(config: DistillConfig) -> dict:
     todo = [s for s in mine if not shard_path(out_dir, s).exists()]
     info = dict(target=str(config.target), target_layer_ids=layer_ids, num_prompts=len(encoded),
                 num_shards=num_shards, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                dtype=config.dtype, features=not config.no_features, skipped=problems, draft=config.draft)
+                dtype=config.dtype, features=not config.no_features, skipped=problems, draft=config.draft,
+                seed=config.seed if config.temperature > 0 else None)
     logger.info("%d prompts, %d shards (%d already done), layer ids %s", len(encoded), num_shards,
                 len(mine) - len(todo), layer_ids)
     start, written, tokens = time.monotonic(), [], 0

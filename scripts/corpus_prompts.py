@@ -44,11 +44,10 @@ def write(path: Path, entries: list[dict]) -> None:
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     entries = read("sharegpt.jsonl")[:10000]
-    sharegpt = [e for e in entries if 20 <= len(e["turns"][0]) <= 1200]
-    sharegpt.sort(key=lambda e: len(e["turns"][0]))  # stable: ties keep the dataset's order
-    write(out / "sharegpt.jsonl", sharegpt)
-    write(out / "sharegpt_long.jsonl", sorted((e for e in entries if len(e["turns"][0]) > 1200),
-                                              key=lambda e: len(e["turns"][0])))
+    length = lambda e: len(e["turns"][0])  # noqa: E731
+    # sorted() is stable: ties keep the dataset's order
+    write(out / "sharegpt.jsonl", sharegpt := sorted((e for e in entries if 20 <= length(e) <= 1200), key=length))
+    write(out / "sharegpt_long.jsonl", sorted((e for e in entries if length(e) > 1200), key=length))
     rest = sharegpt[SHAREGPT_USED:]
     write(out / "code.jsonl", [e for e in rest if e["turns"][0].isascii() and CODE_WORDS.search(e["turns"][0])])
     gsm8k = read("gsm8k.jsonl")[:1000]

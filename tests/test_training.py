@@ -631,6 +631,9 @@ def test_sampled_answers_are_seeded_recorded_and_labelled_with_the_greedy_path(w
         ids, nxt, response = first[i]["input_ids"], first[i]["next_ids"], first[i]["loss_mask"][1:].bool()
         departures += int((ids[1:] != nxt[:-1])[response].sum())
     assert departures > 0  # a random tiny target at T = 1 leaves its greedy path: those rows train on the argmax
+    labels = torch.cat([first[i]["next_ids"][:-1][first[i]["loss_mask"][1:].bool()] for i in range(len(first))])
+    counts = first.response_token_counts()  # the draft vocabulary is drawn from what training learns
+    assert torch.equal(counts, torch.bincount(labels, minlength=len(counts)))
 
 
 def test_vocab_subset_head_keeps_the_loss_of_in_subset_labels():

@@ -160,17 +160,21 @@ class ShardDataset(torch.utils.data.Dataset):
         return len(self.index)
 
     def response_token_counts(self) -> torch.LongTensor:
-        """How often each token id occurs among response tokens (``loss_mask`` 1): ``[max id + 1]``."""
+        """How often each token id is a label of a response position (``loss_mask`` 1), ``[max id + 1]``: the
+        response token itself, or on a shard with ``next_ids`` the target's prediction there (what training learns
+        from a sampled answer)."""
         counts = torch.zeros(0, dtype=torch.long)
-        for input_ids, loss_mask, _ in self._tokens.values():
-            ids = input_ids[loss_mask.bool()].long()
+        for input_ids, loss_mask, next_ids in self._tokens.values():
+            response = loss_mask.bool()
+            # a response never starts a sequence (its prompt does), so the prediction before it is its own sequence's
+            ids = (input_ids[response] if next_ids is None else next_ids[:-1][response[1:]]).long()
             shard_counts = torch.bincount(ids, minlength=len(counts))
             counts = torch.nn.functional.pad(counts, (0, len(shard_counts) - len(counts))) + shard_counts
         return counts
 
     def frequent_response_tokens(self, count: int) -> tuple[torch.LongTensor, float]:
-        """The ``count`` most frequent token ids among response tokens (``loss_mask`` 1), sorted, and the share of
-        response tokens they cover (`most_frequent`)."""
+        """The ``count`` most frequent labels of response positions (`response_token_counts`), sorted, and the share
+        of response positions they cover (`most_frequent`)."""
         return most_frequent(self.response_token_counts(), count)
 
     def __getitem__(self, item: int) -> dict:

@@ -11,14 +11,25 @@
 * ``sharegpt_long.jsonl``: the ShareGPT first turns among entries 0-9999 longer than 1,200 characters (the ones
   ``sharegpt.jsonl`` leaves out), shortest first (``corpora/*/sharegpt-long``);
 * ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``);
-* ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to the first 96).
+* ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to the first 96);
+* ``code_completion.jsonl``: "Complete the following Python function" prompts in HumanEval's shape (signature and
+  docstring, no body) made from the public module-level functions of the standard library and of torch's own
+  dependencies networkx, sympy and mpmath (PSF and BSD licenses, so every environment of this project has them),
+  with a 60-1,200 character docstring and at most 60 lines; each name once; the four sources taken in turn, each in
+  a fixed shuffled order (``corpora/*/code-completion``). The file depends on those packages' versions: the corpus
+  manifest names them.
 
 Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
 """
 
+import ast
+import importlib.util
+import itertools
 import json
+import random
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 DATASETS = Path.home() / ".cache" / "dflash-hf" / "datasets"
@@ -28,6 +39,53 @@ CODE_WORDS = re.compile(
     r"json|class|golang|rust|php|django|flask|pandas|numpy)\b|```|def |import ",
     re.IGNORECASE,
 )
+
+
+COMPLETION_SOURCES = ("stdlib", "networkx", "mpmath", "sympy")
+COMPLETION_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip",
+                        "__pycache__", "benchmarks"}
+
+
+def completion_functions(source: str) -> list[tuple[str, str]]:
+    """``(id, signature and docstring)`` of ``source``'s public module-level functions with a 60-1,200 character
+    docstring and at most 60 lines, in a fixed shuffled order."""
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+    else:
+        root = Path(importlib.util.find_spec(source).origin).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if COMPLETION_SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = text.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if doc is None or not 60 <= len(doc) <= 1200 or node.end_lineno - node.lineno > 60:
+                continue
+            # from the `def` line (decorators left out) to the docstring's last line: the body stays out
+            head = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])
+            found.append((f"{source}/{path.relative_to(root).with_suffix('')}:{node.name}", node.name, head))
+    random.Random(0).shuffle(found)
+    return found
+
+
+def code_completion_prompts() -> list[dict]:
+    """The sources in turn (any prefix of the file mixes them), each function name once."""
+    seen, entries = set(), []
+    for item in itertools.chain.from_iterable(itertools.zip_longest(*map(completion_functions, COMPLETION_SOURCES))):
+        if item is None or item[1] in seen:
+            continue
+        seen.add(item[1])
+        entries.append({"id": f"completion/{item[0]}",
+                        "turns": [f"Complete the following Python function:\n```python\n{item[2]}\n```"]})
+    return entries
 
 
 def read(name: str) -> list[dict]:
@@ -54,6 +112,7 @@ def main(out: Path) -> None:
     assert gsm8k[-1]["id"] == "gsm8k/999", "prepare's gsm8k.jsonl is GSM8K test in order"
     write(out / "gsm8k.jsonl", gsm8k)
     write(out / "ifbench.jsonl", read("ifbench.jsonl"))
+    write(out / "code_completion.jsonl", code_completion_prompts())
 
 
 if __name__ == "__main__":

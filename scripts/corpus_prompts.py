@@ -46,13 +46,16 @@ COMPLETION_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", 
                         "__pycache__", "benchmarks"}
 
 
-def completion_functions(source: str) -> list[tuple[str, str]]:
-    """``(id, signature and docstring)`` of ``source``'s public module-level functions with a 60-1,200 character
-    docstring and at most 60 lines, in a fixed shuffled order."""
+def source_root(source: str) -> Path:
+    """The folder of a package's source, or of the standard library (``stdlib``)."""
     if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-    else:
-        root = Path(importlib.util.find_spec(source).origin).parent
+        return Path(sysconfig.get_paths()["stdlib"])
+    return Path(importlib.util.find_spec(source).origin).parent
+
+
+def completion_functions(source: str, root: Path) -> list[tuple[str, str, str]]:
+    """``(id, name, signature and docstring)`` of the public module-level functions under ``root`` with a 60-1,200
+    character docstring and at most 60 lines, in a fixed shuffled order."""
     found = []
     for path in sorted(root.rglob("*.py")):
         if COMPLETION_SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
@@ -79,7 +82,8 @@ def completion_functions(source: str) -> list[tuple[str, str]]:
 def code_completion_prompts() -> list[dict]:
     """The sources in turn (any prefix of the file mixes them), each function name once."""
     seen, entries = set(), []
-    for item in itertools.chain.from_iterable(itertools.zip_longest(*map(completion_functions, COMPLETION_SOURCES))):
+    sources = (completion_functions(source, source_root(source)) for source in COMPLETION_SOURCES)
+    for item in itertools.chain.from_iterable(itertools.zip_longest(*sources)):
         if item is None or item[1] in seen:
             continue
         seen.add(item[1])

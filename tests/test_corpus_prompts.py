@@ -1,0 +1,80 @@
+"""scripts/corpus_prompts.py: the code-completion prompts keep a function's signature and docstring, never its body."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("corpus_prompts", REPO / "scripts" / "corpus_prompts.py")
+corpus_prompts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(corpus_prompts)
+
+DOC = "Add two numbers and give back their sum, which is what this docstring says at some length."
+
+MODULE = f'''import functools
+
+
+def add(a,
+        b=2):
+    """{DOC}"""
+    total = a + b
+    return total
+
+
+@functools.cache
+def cached(x):
+    """{DOC}
+    >>> cached(1)
+    1
+    """
+    return x
+
+
+def _private(x):
+    """{DOC}"""
+    return x
+
+
+def short(x):
+    """Too short."""
+    return x
+
+
+class Box:
+    def method(self):
+        """{DOC}"""
+        return self
+'''
+
+
+def write_package(root: Path) -> Path:
+    (root / "pkg" / "tests").mkdir(parents=True)
+    (root / "pkg" / "tools.py").write_text(MODULE)
+    (root / "pkg" / "tests" / "test_tools.py").write_text(MODULE)  # test folders are left out
+    (root / "pkg" / "broken.py").write_text("def broken(:\n")  # a file that does not parse is skipped
+    return root / "pkg"
+
+
+def test_completion_functions_keep_signature_and_docstring_and_drop_the_body(tmp_path):
+    found = corpus_prompts.completion_functions("pkg", write_package(tmp_path))
+    heads = {name: head for _, name, head in found}
+    assert sorted(heads) == ["add", "cached"]  # public, module level, a docstring of 60-1,200 characters
+    assert heads["add"] == f'def add(a,\n        b=2):\n    """{DOC}"""'  # the whole signature, no body
+    assert heads["cached"].startswith("def cached(x):") and heads["cached"].endswith('    1\n    """')
+    assert sorted(ident for ident, _, _ in found) == ["pkg/tools:add", "pkg/tools:cached"]
+
+
+def test_code_completion_prompts_take_the_sources_in_turn_each_name_once(tmp_path, monkeypatch):
+    first, second = write_package(tmp_path / "a"), write_package(tmp_path / "b")
+    (second / "more.py").write_text(MODULE.replace("def add(", "def plus(").replace("def cached(", "def memo("))
+    monkeypatch.setattr(corpus_prompts, "COMPLETION_SOURCES", ("one", "two"))
+    monkeypatch.setattr(corpus_prompts, "source_root", {"one": first, "two": second}.get)
+    entries = corpus_prompts.code_completion_prompts()
+    ids = sorted(entry["id"] for entry in entries)
+    assert ids == ["completion/one/tools:add", "completion/one/tools:cached", "completion/two/more:memo",
+                   "completion/two/more:plus"]  # "two"'s own add and cached are taken from "one" already
+    assert {entry["id"].split("/")[1] for entry in entries[:3]} == {"one", "two"}  # in turn, not one after the other
+    prompt = entries[0]["turns"][0]
+    assert prompt.startswith("Complete the following Python function:\n```python\ndef ")
+    assert prompt.endswith('"""\n```') and "return" not in prompt
+    json.dumps(entries)  # a prompt file line

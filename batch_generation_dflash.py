@@ -97,7 +97,7 @@ class BatchDraftLengthController(DraftLengthController):
       the rest of the call -- and a call that drafts from its third round on never times a plain round again. So the
       batch drafts only after ``unit_rounds`` plain rounds were timed (the unit starts at their median), and
       decodes one round plainly after every ``refresh_every`` rounds without one (as at batch 1,
-      `DraftLengthController`: at most 1/16 of a drafting gain), and right after rows leave the batch (`rows_left`);
+      `DraftLengthController`: at most 1/16 of a drafting gain);
     * **exploration pays for itself.** Drafted rounds are booked at what they realized, in plain rounds: their cost
       minus the tokens they committed per row (``drafting``; negative when drafting paid: a plain round commits one
       per row for a cost of one). A drafted round runs only while the drafter's whole bill in this call -- shadow
@@ -139,7 +139,6 @@ class BatchDraftLengthController(DraftLengthController):
         self.plain_timed = 0  # plain rounds timed
         self.drafting = 0.0  # what drafted rounds cost beyond what they committed, in plain rounds
         self.first_plain: list[float] = []  # the first `unit_rounds` plain rounds' seconds
-        self.retiming = False  # rows left the batch: the next plain round restarts the unit (`rows_left`)
         self.recalled = set(self.cost)  # sizes priced by the memory and not timed in this call yet
 
     def affordable(self, num_drafts: int) -> bool:
@@ -213,27 +212,20 @@ class BatchDraftLengthController(DraftLengthController):
             self.record_drafted_cost(proposed, seconds, drafter_seconds, typical)
             self.recalled.discard(proposed)
         else:  # a plain round (always typical: it runs no drafter)
-            unit = self.step_seconds
             self.record_cost(0, seconds)
             self.plain_timed += 1
             if self.plain_timed <= self.unit_rounds:  # the unit starts at their median: one slow round is left out
                 self.first_plain.append(seconds)
                 self.step_seconds = sorted(self.first_plain)[(len(self.first_plain) - 1) // 2]
-            if self.retiming and unit:  # fewer rows never cost more: a stall in this one round cannot raise it
-                self.step_seconds = min(self.step_seconds, unit)
-            self.retiming = False
 
     def rows_left(self, batch_size: int) -> None:
-        """Rows finished and left the batch, ``batch_size`` remain (`BatchedDFlashLoop._drop_finished`). A plain round
-        of fewer rows costs less than the unit timed on more, and against a unit set too high every drafted round
-        looks cheap -- while drafting, the unit would only be re-timed ``refresh_every`` rounds later. So the next
-        round decodes plainly and the unit restarts at its time (the running mean of `record_cost` from there), but
-        no higher than before. The sizes' costs keep their values: verifying a block costs fewer plain rounds at a
-        smaller batch, so they err on the dear side until their moving averages catch up. Each remaining row's
-        judgement of a draft now counts ``1 / batch_size`` (`record_acceptance`)."""
+        """Rows finished and left the batch, ``batch_size`` remain (`BatchedDFlashLoop._drop_finished`): each
+        remaining row's judgement of a draft now counts ``1 / batch_size`` (`record_acceptance`). The unit is not
+        re-timed at once: a plain round of fewer rows costs less, so drafted rounds look cheaper than they are until
+        the next plain round corrects it, but fewer rows also make drafting pay more, and a forced plain round per
+        departure read slower at batch 4 (256 new tokens, bf16: 1.02x median of 3 runs against 1.06x of 7;
+        BENCHMARKS.md, "Batched DFlash")."""
         self.batch_size = batch_size
-        self.since_plain = self.refresh_every  # `choose` counts this round too: the next one re-times the unit
-        self.unit_samples, self.retiming = 0, True
 
     def _book_shadow(self, drafter_seconds: float) -> None:
         """A shadow round's drafter forward, in plain rounds, replaces the price `choose` charged for it in the

@@ -525,33 +525,15 @@ def test_a_shadow_round_is_booked_at_its_measured_drafter_forward_once_the_unit_
     assert controller.step_seconds == 1.0 and controller.drafter_cost is None  # neither the unit nor a typical forward
 
 
-def test_when_rows_leave_the_next_round_re_times_the_unit_never_higher_than_before():
-    """Rows leaving the batch make a plain round cheaper than the unit timed on all of them, and against that stale
-    unit every drafted round looks cheap: the next round decodes plainly (even while drafting pays) and the unit
-    restarts at its time -- but a stall in that round cannot raise it. The remaining rows' judgements of a draft
-    then move the acceptance as far as one judgement at batch 1."""
+def test_when_rows_leave_each_remaining_row_weighs_one_over_the_rows_left():
+    """The batch's acceptance moves ``1/b`` per row's judgement, ``b`` the rows still in the batch: after rows leave,
+    the two remaining rows' judgements move it as far as one judgement at batch 1 (at ``1/8`` each they would move it
+    a quarter as far)."""
     from dflash_hf.batch_generation_dflash import BatchDraftLengthController
     from dflash_hf.controller_dflash import DraftLengthController
 
     controller = BatchDraftLengthController(7, batch_size=8)
-    while controller.plain_timed < controller.unit_rounds:  # shadows and plain rounds until the unit is timed
-        controller.record_round(controller.choose(), controller.shadow, 1.0, 1.0, typical=True)
-    controller.cost.update({1: 1.3, 3: 1.5, 7: 2.0})
-    controller.acceptance, controller.judged = [[0.95] * 7, [0.95] * 7], 7
-    assert controller.step_seconds == 1.0 and controller.choose() == 7  # drafting pays
-    controller.record_round(7, False, 2.0, 7.0, typical=True)
-    controller.rows_left(4)
-    assert controller.choose() == 0 and not controller.shadow  # re-times the unit at once
-    controller.record_round(0, False, 0.6, 1.0, typical=True)
-    assert controller.step_seconds == pytest.approx(0.6)
-    assert controller.choose() == 7  # and drafts again
-    controller.record_round(7, False, 1.2, 7.0, typical=True)
     controller.rows_left(2)
-    assert controller.choose() == 0
-    controller.record_round(0, False, 5.0, 1.0, typical=True)  # a stall
-    assert controller.step_seconds == pytest.approx(0.6)
-    controller.record_round(0, False, 0.4, 1.0, typical=True)  # then the running mean of the rounds that follow
-    assert controller.step_seconds == pytest.approx(0.5)
     single = DraftLengthController(7)
     for model in (controller, single):
         model.acceptance, model.observations = [[0.5] * 7, [0.5] * 7], [100] * 7
@@ -559,6 +541,7 @@ def test_when_rows_leave_the_next_round_re_times_the_unit_never_higher_than_befo
         controller.record_acceptance(1, 0)
     single.record_acceptance(1, 0)
     assert controller.acceptance[0][0] == pytest.approx(single.acceptance[0][0], abs=0.02)
+    assert controller.acceptance[0][0] < 0.42
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -380,7 +380,7 @@ def test_finished_rows_leave_the_batch_and_every_row_still_equals_its_prompt_alo
         assert sum(row.acceptance_lengths) + 1 == alone(target, prompt, 30, **options).shape[0]
 
 
-def test_batch_controller_climbs_one_size_at_a_time_and_averages_per_round():
+def test_batch_controller_climbs_one_size_at_a_time_and_averages_per_row_left():
     from dflash_hf.batch_generation_dflash import BatchDraftLengthController
     from dflash_hf.controller_dflash import DraftLengthController
 
@@ -392,14 +392,19 @@ def test_batch_controller_climbs_one_size_at_a_time_and_averages_per_round():
     assert controller.best() == 7  # 15 would look better at the lower-bound cost of 3, but 7 is untried
     controller.cost[7] = 4.0  # 7 measured expensive: 15 (at least as expensive) is still not tried
     assert controller.best() == 3
-    single = DraftLengthController(15)
-    for model in (controller, single):  # four rows rejecting draft 1 move the batch's estimate like one judgement
+
+    def after_rejections(model, judgements):
         model.acceptance, model.observations = [[0.5] * 15, [0.5] * 15], [100] * 15
-    for _ in range(4):
-        controller.record_acceptance(1, 0)
-    single.record_acceptance(1, 0)
-    assert controller.acceptance[0][0] == pytest.approx(single.acceptance[0][0], abs=0.02)
-    assert controller.acceptance[0][0] < 0.5
+        for _ in range(judgements):
+            model.record_acceptance(1, 0)
+        return model.acceptance[0][0]
+
+    single = after_rejections(DraftLengthController(15), 1)
+    assert single < 0.5
+    # four rows rejecting draft 1 move the batch's estimate like one judgement; once two rows are left, two do
+    assert after_rejections(controller, 4) == pytest.approx(single, abs=0.02)
+    controller.rows_left(2)
+    assert after_rejections(controller, 2) == pytest.approx(single, abs=0.02)
 
 
 # Batch-8 round costs in plain rounds, shaped like the measured fp32 curve (scripts/batch_policy_trace.py): one draft
@@ -523,25 +528,6 @@ def test_a_shadow_round_is_booked_at_its_measured_drafter_forward_once_the_unit_
     controller.record_round(0, True, 1.9, 1.0, typical=False, drafter_seconds=0.9)
     assert controller.explored == pytest.approx(explored + 0.9 - controller.shadow_price())
     assert controller.step_seconds == 1.0 and controller.drafter_cost is None  # neither the unit nor a typical forward
-
-
-def test_when_rows_leave_each_remaining_row_weighs_one_over_the_rows_left():
-    """The batch's acceptance moves ``1/b`` per row's judgement, ``b`` the rows still in the batch: after rows leave,
-    the two remaining rows' judgements move it as far as one judgement at batch 1 (at ``1/8`` each they would move it
-    a quarter as far)."""
-    from dflash_hf.batch_generation_dflash import BatchDraftLengthController
-    from dflash_hf.controller_dflash import DraftLengthController
-
-    controller = BatchDraftLengthController(7, batch_size=8)
-    controller.rows_left(2)
-    single = DraftLengthController(7)
-    for model in (controller, single):
-        model.acceptance, model.observations = [[0.5] * 7, [0.5] * 7], [100] * 7
-    for _ in range(2):
-        controller.record_acceptance(1, 0)
-    single.record_acceptance(1, 0)
-    assert controller.acceptance[0][0] == pytest.approx(single.acceptance[0][0], abs=0.02)
-    assert controller.acceptance[0][0] < 0.42
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -223,8 +223,7 @@ class BatchDraftLengthController(DraftLengthController):
         remaining row's judgement of a draft now counts ``1 / batch_size`` (`record_acceptance`). The unit is not
         re-timed at once: a plain round of fewer rows costs less, so drafted rounds look cheaper than they are until
         the next plain round corrects it, but fewer rows also make drafting pay more, and a forced plain round per
-        departure read slower at batch 4 (256 new tokens, bf16: 1.02x median of 3 runs against 1.06x of 7;
-        BENCHMARKS.md, "Batched DFlash")."""
+        departure measured slower, not faster (BENCHMARKS.md, "Rows leaving the batch")."""
         self.batch_size = batch_size
 
     def _book_shadow(self, drafter_seconds: float) -> None:

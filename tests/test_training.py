@@ -272,41 +272,72 @@ def test_flex_attention_block_mask_equals_dense_mask(sliding):
     torch.testing.assert_close(outputs["flex_attention"][rows], outputs["sdpa"][rows], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rule", ["none", "causal", "sliding"])
-def test_block_sparse_attention_equals_dense_mask(rule):
-    """The CPU training attention (only the seen scores) gives SDPA's outputs and gradients with the dense block
-    mask, padded block included; a layer's own position rule (causal, sliding window) is applied too."""
-    from dflash_hf.training.attention import BLOCK_SPARSE, BlockLayout
+def block_attention_case(config):
+    """A drafter and a batch of blocks for the block-sparse attention tests: two rows of 16 tokens, blocks of 4 at
+    anchors ``[1, 6, 11]`` and ``[9, 12]`` plus a padded block."""
+    from dflash_hf.training.attention import BlockLayout
 
     torch.manual_seed(0)
-    config = tiny_config(is_causal=True) if rule == "causal" else tiny_config()
-    if rule == "sliding":
-        config.sliding_window, config.layer_types = 5, ["sliding_attention", "full_attention"]
     draft = DFlashDraftModel(config)
     seq_len, block = 16, 4
     input_ids = torch.randint(0, 49, (2, seq_len))
     anchors, keep = torch.tensor([[1, 6, 11], [9, 12, 0]]), torch.tensor([[True, True, True], [True, True, False]])
     noise, positions = build_block_inputs(input_ids, anchors, block, 49, keep)
-    embeds, features = torch.randn(2, 12, 32), torch.randn(2, seq_len, 64)
-    outputs, grads = {}, {}
-    for implementation, masks in (("sdpa", {"attention_mask": build_block_mask(anchors, keep, seq_len, block)}),
-                                  (BLOCK_SPARSE, {"block_layout": BlockLayout(anchors, keep)})):
-        draft.zero_grad()
-        draft.config._attn_implementation = implementation
-        hidden = draft(noise_embedding=embeds, target_hidden=features, position_ids=positions,
-                       **masks).last_hidden_state
-        (hidden * torch.linspace(-1, 1, 32)).sum().backward()
-        outputs[implementation], grads[implementation] = hidden.detach(), [p.grad for p in draft.parameters()]
-    torch.testing.assert_close(outputs[BLOCK_SPARSE], outputs["sdpa"], atol=1e-5, rtol=1e-5)
-    for sparse, dense in zip(grads[BLOCK_SPARSE], grads["sdpa"]):
-        torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-4)
+    inputs = dict(noise_embedding=torch.randn(2, 12, 32), target_hidden=torch.randn(2, seq_len, 64),
+                  position_ids=positions)
+    masks = {"sdpa": {"attention_mask": build_block_mask(anchors, keep, seq_len, block)},
+             "block_sparse": {"block_layout": BlockLayout(anchors, keep)}}
+    return draft, inputs, masks
+
+
+def block_attention_run(draft, inputs, masks, implementation, dtype=torch.float32):
+    """The drafter's output and parameter gradients with one attention implementation, under autocast to ``dtype``
+    (the trainer's bf16 mode) unless float32."""
+    draft.zero_grad()
+    draft.config._attn_implementation = implementation
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        hidden = draft(**inputs, **masks[implementation]).last_hidden_state.float()
+    (hidden * torch.linspace(-1, 1, 32)).sum().backward()
+    return hidden.detach(), [p.grad.clone() for p in draft.parameters()]
+
+
+@pytest.mark.parametrize("rule", ["none", "causal", "sliding"])
+def test_block_sparse_attention_equals_dense_mask(rule):
+    """The CPU training attention (only the seen scores) gives SDPA's outputs and gradients with the dense block
+    mask, padded block included; a layer's own position rule (causal, sliding window) is applied too."""
+    from dflash_hf.training.attention import BLOCK_SPARSE
+
+    config = tiny_config(is_causal=True) if rule == "causal" else tiny_config()
+    if rule == "sliding":
+        config.sliding_window, config.layer_types = 5, ["sliding_attention", "full_attention"]
+    draft, inputs, masks = block_attention_case(config)
+    sparse, sparse_grads = block_attention_run(draft, inputs, masks, BLOCK_SPARSE)
+    dense, dense_grads = block_attention_run(draft, inputs, masks, "sdpa")
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-5)
+    for sparse_grad, dense_grad in zip(sparse_grads, dense_grads):
+        torch.testing.assert_close(sparse_grad, dense_grad, atol=1e-5, rtol=1e-4)
     if rule != "none":  # the rule is not a no-op here: without it the outputs differ
         draft.config = tiny_config()
         draft.config._attn_implementation = BLOCK_SPARSE
         with torch.no_grad():
-            plain = draft(noise_embedding=embeds, target_hidden=features, position_ids=positions,
-                          block_layout=BlockLayout(anchors, keep)).last_hidden_state
-        assert not torch.allclose(plain, outputs[BLOCK_SPARSE], atol=1e-3)
+            plain = draft(**inputs, **masks[BLOCK_SPARSE]).last_hidden_state
+        assert not torch.allclose(plain, sparse, atol=1e-3)
+
+
+def test_block_sparse_attention_in_bf16_is_as_close_to_float32_as_dense_sdpa():
+    """Under bf16 autocast (the trainer's default where the CPU computes bf16) the block-sparse attention, whose
+    softmax runs in the scores' dtype, is as close to the float32 outputs and gradients as SDPA with the dense mask
+    in bf16 is."""
+    draft, inputs, masks = block_attention_case(tiny_config())
+    reference, reference_grads = block_attention_run(draft, inputs, masks, "sdpa")
+    errors = {}
+    for implementation in ("sdpa", "block_sparse"):
+        out, grads = block_attention_run(draft, inputs, masks, implementation, torch.bfloat16)
+        errors[implementation] = [float((out - reference).norm() / reference.norm())] + [
+            float((g - r).norm() / r.norm()) for g, r in zip(grads, reference_grads) if r.norm() > 0]
+    assert max(errors["sdpa"]) > 1e-4  # bf16 does round here
+    for sparse, dense in zip(errors["block_sparse"], errors["sdpa"]):
+        assert sparse <= 2 * dense + 1e-3
 
 
 @pytest.mark.parametrize("answers", ["greedy", "sampled"])

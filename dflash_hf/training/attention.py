@@ -70,20 +70,23 @@ def block_sparse_attention_forward(
     seq_len = key.shape[2] - q_len
     scaling = dim**-0.5 if scaling is None else scaling
 
-    # queries grouped per kv head and per block: [b, KV, N, g*B, d]
+    # queries grouped per kv head and per block: [b, KV, N, g*B, d]; scaled here, d wide, not as scores, S + B wide
     q = query.view(batch, kv_heads, groups, num, block, dim).transpose(2, 3).reshape(batch, kv_heads, num, -1, dim)
+    q = q * scaling
     ctx_key, ctx_value = key[:, :, :seq_len], value[:, :, :seq_len]
     own_key = key[:, :, seq_len:].view(batch, kv_heads, num, block, dim)
     own_value = value[:, :, seq_len:].view(batch, kv_heads, num, block, dim)
 
     ctx_scores = (q.reshape(batch, kv_heads, -1, dim) @ ctx_key.transpose(-1, -2)).view(
         batch, kv_heads, num, groups * block, seq_len)
-    ctx_scores = ctx_scores * scaling + block_layout.context_bias(seq_len, ctx_scores.dtype)
-    own_scores = (q @ own_key.transpose(-1, -2)) * scaling  # [b, KV, N, g*B, B]
+    ctx_scores = ctx_scores + block_layout.context_bias(seq_len, ctx_scores.dtype)
+    own_scores = q @ own_key.transpose(-1, -2)  # [b, KV, N, g*B, B]
     if attention_mask is not None:
         ctx_rule, own_rule = _seen_parts(attention_mask, seq_len, num, block, groups)
         ctx_scores, own_scores = ctx_scores + ctx_rule, own_scores + own_rule
-    probs = torch.cat([ctx_scores, own_scores], dim=-1).softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+    # In the scores' dtype: a bf16 softmax accumulates in float32 and rounds once, so its output equals a float32
+    # softmax rounded to bf16, without the two dtype copies of every score forward and backward.
+    probs = torch.cat([ctx_scores, own_scores], dim=-1).softmax(dim=-1)
     ctx_probs, own_probs = probs.split([seq_len, block], dim=-1)
     out = (ctx_probs.reshape(batch, kv_heads, -1, seq_len) @ ctx_value).view(batch, kv_heads, num, -1, dim)
     out = out + own_probs @ own_value  # [b, KV, N, g*B, d]

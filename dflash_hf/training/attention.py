@@ -70,7 +70,7 @@ def block_sparse_attention_forward(
     seq_len = key.shape[2] - q_len
     scaling = dim**-0.5 if scaling is None else scaling
 
-    # queries grouped per kv head and per block: [b, KV, N, g*B, d]; scaled here, d wide, not as scores, S + B wide
+    # queries grouped per kv head and per block: [b, KV, N, g*B, d], scaled here (d wide) rather than as scores (S + B)
     q = query.view(batch, kv_heads, groups, num, block, dim).transpose(2, 3).reshape(batch, kv_heads, num, -1, dim)
     q = q * scaling
     ctx_key, ctx_value = key[:, :, :seq_len], value[:, :, :seq_len]

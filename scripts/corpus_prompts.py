@@ -17,7 +17,10 @@
   dependencies networkx, sympy and mpmath (PSF and BSD licenses, so every environment of this project has them),
   with a 60-1,200 character docstring and at most 60 lines; each name once; the four sources taken in turn, each in
   a fixed shuffled order (``corpora/*/code-completion``). The file depends on those packages' versions: the corpus
-  manifest names them.
+  manifest names them;
+* ``code_completion_more.jsonl``: the same from numpy, setuptools, matplotlib, pytest, huggingface_hub, transformers,
+  Pillow and Jinja2 (BSD, MIT, PSF-style, Apache-2.0 and HPND licenses; all installed with this project), no function
+  name the first file has (``corpora/*/code-completion-more``).
 
 Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
 """
@@ -42,7 +45,12 @@ CODE_WORDS = re.compile(
 
 
 COMPLETION_SOURCES = ("stdlib", "networkx", "mpmath", "sympy")
+# the second file's sources: packages every environment of this project installs (MIT, BSD, Apache-2.0, PSF-style and
+# HPND licenses), taken after the first file's names
+MORE_COMPLETION_SOURCES = ("numpy", "setuptools", "matplotlib", "_pytest", "huggingface_hub", "transformers", "PIL",
+                           "jinja2")
 COMPLETION_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip",
+                        "_vendor", "vendor",
                         "__pycache__", "benchmarks"}
 
 
@@ -79,10 +87,11 @@ def completion_functions(source: str, root: Path) -> list[tuple[str, str, str]]:
     return found
 
 
-def code_completion_prompts() -> list[dict]:
-    """The sources in turn (any prefix of the file mixes them), each function name once."""
-    seen, entries = set(), []
-    sources = (completion_functions(source, source_root(source)) for source in COMPLETION_SOURCES)
+def code_completion_prompts(sources: tuple[str, ...], taken: set[str] | None = None) -> list[dict]:
+    """The ``sources`` in turn (any prefix of the file mixes them), each function name once and none in ``taken``
+    (the names an earlier file used; the names used here are added to it)."""
+    seen, entries = taken if taken is not None else set(), []
+    sources = (completion_functions(source, source_root(source)) for source in sources)
     for item in itertools.chain.from_iterable(itertools.zip_longest(*sources)):
         if item is None or item[1] in seen:
             continue
@@ -116,7 +125,9 @@ def main(out: Path) -> None:
     assert gsm8k[-1]["id"] == "gsm8k/999", "prepare's gsm8k.jsonl is GSM8K test in order"
     write(out / "gsm8k.jsonl", gsm8k)
     write(out / "ifbench.jsonl", read("ifbench.jsonl"))
-    write(out / "code_completion.jsonl", code_completion_prompts())
+    taken: set[str] = set()
+    write(out / "code_completion.jsonl", code_completion_prompts(COMPLETION_SOURCES, taken))
+    write(out / "code_completion_more.jsonl", code_completion_prompts(MORE_COMPLETION_SOURCES, taken))
 
 
 if __name__ == "__main__":

@@ -67,11 +67,13 @@ def test_completion_functions_keep_signature_and_docstring_and_drop_the_body(tmp
 def test_code_completion_prompts_take_the_sources_in_turn_each_name_once(tmp_path, monkeypatch):
     first, second = write_package(tmp_path / "a"), write_package(tmp_path / "b")
     (second / "more.py").write_text(MODULE.replace("def add(", "def plus(").replace("def cached(", "def memo("))
-    monkeypatch.setattr(corpus_prompts, "COMPLETION_SOURCES", ("one", "two"))
     monkeypatch.setattr(corpus_prompts, "source_root", {"one": first, "two": second}.get)
-    entries = corpus_prompts.code_completion_prompts()
+    taken = set()
+    entries = corpus_prompts.code_completion_prompts(("one", "two"), taken)
     names = sorted(entry["id"].rsplit(":", 1)[1] for entry in entries)
     assert names == ["add", "cached", "memo", "plus"]  # add and cached, in both sources, are taken once
+    # a second file from the second source alone gets no name the first one used
+    assert taken == set(names) and corpus_prompts.code_completion_prompts(("two",), taken) == []
     assert {entry["id"].split("/")[1] for entry in entries[:3]} == {"one", "two"}  # in turn, not one after the other
     prompt = entries[0]["turns"][0]
     assert prompt.startswith("Complete the following Python function:\n```python\ndef ")

@@ -50,8 +50,7 @@ COMPLETION_SOURCES = ("stdlib", "networkx", "mpmath", "sympy")
 MORE_COMPLETION_SOURCES = ("numpy", "setuptools", "matplotlib", "_pytest", "huggingface_hub", "transformers", "PIL",
                            "jinja2")
 COMPLETION_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip",
-                        "_vendor", "vendor",
-                        "__pycache__", "benchmarks"}
+                        "__pycache__", "benchmarks", "_vendor", "vendor"}
 
 
 def source_root(source: str) -> Path:

@@ -45,8 +45,6 @@ CODE_WORDS = re.compile(
 
 
 COMPLETION_SOURCES = ("stdlib", "networkx", "mpmath", "sympy")
-# the second file's sources: packages every environment of this project installs (MIT, BSD, Apache-2.0, PSF-style and
-# HPND licenses), taken after the first file's names
 MORE_COMPLETION_SOURCES = ("numpy", "setuptools", "matplotlib", "_pytest", "huggingface_hub", "transformers", "PIL",
                            "jinja2")
 COMPLETION_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip",
@@ -86,15 +84,15 @@ def completion_functions(source: str, root: Path) -> list[tuple[str, str, str]]:
     return found
 
 
-def code_completion_prompts(sources: tuple[str, ...], taken: set[str] | None = None) -> list[dict]:
+def code_completion_prompts(sources: tuple[str, ...], taken: set[str]) -> list[dict]:
     """The ``sources`` in turn (any prefix of the file mixes them), each function name once and none in ``taken``
     (the names an earlier file used; the names used here are added to it)."""
-    seen, entries = taken if taken is not None else set(), []
+    entries = []
     sources = (completion_functions(source, source_root(source)) for source in sources)
     for item in itertools.chain.from_iterable(itertools.zip_longest(*sources)):
-        if item is None or item[1] in seen:
+        if item is None or item[1] in taken:
             continue
-        seen.add(item[1])
+        taken.add(item[1])
         entries.append({"id": f"completion/{item[0]}",
                         "turns": [f"Complete the following Python function:\n```python\n{item[2]}\n```"]})
     return entries

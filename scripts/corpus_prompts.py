@@ -11,6 +11,9 @@
 * ``sharegpt_long.jsonl``: the ShareGPT first turns among entries 0-9999 longer than 1,200 characters (the ones
   ``sharegpt.jsonl`` leaves out), shortest first (``corpora/*/sharegpt-long``);
 * ``gsm8k.jsonl``: GSM8K test questions 0-999 (``corpora/*/gsm8k``);
+* ``gsm8k_variants.jsonl``: the same 1,000 questions with their numbers redrawn (``gsm8k_variants``), two copies,
+  all first copies before the second ones (``corpora/*/gsm8k-variants``): GSM8K-shaped problems the target answers
+  afresh, where the test set has no more questions to spare;
 * ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to the first 96);
 * ``code_completion.jsonl``: "Complete the following Python function" prompts in HumanEval's shape (signature and
   docstring, no body) made from the public module-level functions of the standard library and of torch's own
@@ -98,6 +101,36 @@ def code_completion_prompts(sources: tuple[str, ...], taken: set[str]) -> list[d
     return entries
 
 
+NUMBER = re.compile(r"(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\w)")  # not "2nd", not inside "x86"
+
+
+def redraw_number(match: re.Match, rng: random.Random) -> str:
+    """Another number of the same shape: as many digits before and after the point, the same thousands separators,
+    a different whole part; 0 and 1 stay (they carry grammar: "1 hour", "0 left", "0.5 kg")."""
+    text = match.group()
+    whole, _, fraction = text.replace(",", "").partition(".")
+    if whole not in ("0", "1"):
+        low, new = (10 ** (len(whole) - 1) if len(whole) > 1 else 2), whole
+        while new == whole:
+            new = str(rng.randrange(low, 10 ** len(whole)))
+        whole = new
+    if "," in text:
+        whole = f"{int(whole):,}"
+    return whole + ("." + "".join(rng.choice("0123456789") for _ in fraction) if fraction else "")
+
+
+def gsm8k_variants(questions: list[dict], copies: int, seed: int = 0) -> list[dict]:
+    """Each question with every number redrawn (``redraw_number``), ``copies`` times; copy 1 of every question first.
+    The answers (the target's own) differ from the originals' wherever the arithmetic does; a question whose numbers
+    are all words or 0/1 has no variant."""
+    rng = random.Random(seed)
+    variants = ({"id": f"gsm8k-variant/{q['id'].split('/')[-1]}-{copy}",
+                 "turns": [NUMBER.sub(lambda m: redraw_number(m, rng), q["turns"][0])]}
+                for copy in range(1, copies + 1) for q in questions)
+    originals = {q["turns"][0] for q in questions}
+    return [v for v in variants if v["turns"][0] not in originals]  # numbers all in words: nothing to redraw
+
+
 def read(name: str) -> list[dict]:
     with open(DATASETS / name) as f:
         return [json.loads(line) for line in f]
@@ -121,6 +154,7 @@ def main(out: Path) -> None:
     gsm8k = read("gsm8k.jsonl")[:1000]
     assert gsm8k[-1]["id"] == "gsm8k/999", "prepare's gsm8k.jsonl is GSM8K test in order"
     write(out / "gsm8k.jsonl", gsm8k)
+    write(out / "gsm8k_variants.jsonl", gsm8k_variants(gsm8k, copies=2))
     write(out / "ifbench.jsonl", read("ifbench.jsonl"))
     taken: set[str] = set()
     write(out / "code_completion.jsonl", code_completion_prompts(COMPLETION_SOURCES, taken))

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,3 +80,19 @@ def test_code_completion_prompts_take_the_sources_in_turn_each_name_once(tmp_pat
     assert prompt.startswith("Complete the following Python function:\n```python\ndef ")
     assert prompt.endswith('"""\n```') and "return" not in prompt
     json.dumps(entries)  # a prompt file line
+
+
+def test_gsm8k_variants_redraw_every_number_in_its_shape_and_keep_0_and_1():
+    questions = [{"id": "gsm8k/7", "turns": ["Tom buys 1 hat for $12.50 and 3 shirts; he had $1,250 and 0 debts. "
+                                             "On day 2nd he sold 40% of 2 boxes."]},
+                 {"id": "gsm8k/8", "turns": ["Ann has two apples and one pear. How many fruits?"]}]
+    variants = corpus_prompts.gsm8k_variants(questions, copies=3, seed=0)
+    assert [v["id"] for v in variants] == ["gsm8k-variant/7-1", "gsm8k-variant/7-2", "gsm8k-variant/7-3"]
+    pattern = (r"Tom buys 1 hat for \$([1-9]\d)\.(\d\d) and ([2-9]) shirts; he had \$([1-9]),(\d{3}) and 0 debts\. "
+               r"On day 2nd he sold ([1-9]\d)% of ([2-9]) boxes\.")
+    drawn = [re.fullmatch(pattern, v["turns"][0]) for v in variants]
+    assert all(drawn), [v["turns"][0] for v in variants]
+    assert all(m.group(1) != "12" and m.group(3) != "3" and m.group(6) != "40" and m.group(7) != "2"
+               for m in drawn)  # never the original's number
+    assert len({v["turns"][0] for v in variants}) == 3
+    assert corpus_prompts.gsm8k_variants(questions, copies=3, seed=0) == variants  # seeded

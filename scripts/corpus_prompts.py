@@ -128,7 +128,7 @@ def gsm8k_variants(questions: list[dict], copies: int, seed: int = 0) -> list[di
                  "turns": [NUMBER.sub(lambda m: redraw_number(m, rng), q["turns"][0])]}
                 for copy in range(1, copies + 1) for q in questions)
     originals = {q["turns"][0] for q in questions}
-    return [v for v in variants if v["turns"][0] not in originals]  # numbers all in words: nothing to redraw
+    return [v for v in variants if v["turns"][0] not in originals]  # only words, 0 and 1: nothing was redrawn
 
 
 def read(name: str) -> list[dict]:

@@ -14,7 +14,8 @@
 * ``gsm8k_variants.jsonl``: the same 1,000 questions with their numbers redrawn (``gsm8k_variants``), two copies,
   all first copies before the second ones (``corpora/*/gsm8k-variants``): GSM8K-shaped problems the target answers
   afresh, where the test set has no more questions to spare;
-* ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to the first 96);
+* ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to all but one, which
+  is over the prompt length);
 * ``code_completion.jsonl``: "Complete the following Python function" prompts in HumanEval's shape (signature and
   docstring, no body) made from the public module-level functions of the standard library and of torch's own
   dependencies networkx, sympy and mpmath (PSF and BSD licenses, so every environment of this project has them),
@@ -110,10 +111,10 @@ def redraw_number(match: re.Match, rng: random.Random) -> str:
     text = match.group()
     whole, _, fraction = text.replace(",", "").partition(".")
     if whole not in ("0", "1"):
-        low, new = (10 ** (len(whole) - 1) if len(whole) > 1 else 2), whole
-        while new == whole:
-            new = str(rng.randrange(low, 10 ** len(whole)))
-        whole = new
+        low = 10 ** (len(whole) - 1) if len(whole) > 1 else 2
+        old = whole
+        while whole == old:
+            whole = str(rng.randrange(low, 10 ** len(old)))
     if "," in text:
         whole = f"{int(whole):,}"
     return whole + ("." + "".join(rng.choice("0123456789") for _ in fraction) if fraction else "")

@@ -1,12 +1,12 @@
 """Per-round phase costs of the batched DFlash loop at a fixed number of drafts k (process CPU ms, medians over the
 rounds of a 32-token call after one warm call), against a plain batched greedy step, on held-out GSM8K.
 
-    taskset -c 0 .venv/bin/python scripts/batch_round_phases.py 4,8 0,1,3      # batch sizes, then k values
+    taskset -c 0 .venv/bin/python scripts/batch_round_phases.py 4,8 0,1,3 [DTYPE]  # batch sizes, k values, float32
 """
 import sys, time, statistics, collections, torch
 from batch_setup import held_out_batch, load_models
 import dflash_hf.batch_generation_dflash as bg
-target, tok, drafter = load_models()
+target, tok, drafter = load_models(sys.argv[3] if len(sys.argv) > 3 else "float32")
 NEW = 32
 cur = collections.defaultdict(float)
 def wrap(obj, name, key, cls=True):

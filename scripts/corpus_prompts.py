@@ -24,7 +24,11 @@
   manifest names them;
 * ``code_completion_more.jsonl``: the same from numpy, setuptools, matplotlib, pytest, huggingface_hub, transformers,
   Pillow and Jinja2 (BSD, MIT, PSF-style, Apache-2.0 and HPND licenses; all installed with this project), no function
-  name the first file has (``corpora/*/code-completion-more``).
+  name the first file has (``corpora/*/code-completion-more``);
+* ``writing.jsonl``: writing requests (a blog post, a story, an email to someone, a speech, an explanation for a
+  given audience, ...) composed from ``writing_requests.json``: every form with every subject once, some with an
+  audience or a constraint, in a seeded shuffled order (``writing_requests``; ``corpora/*/writing``). ShareGPT's short
+  first turns are all answered, and writing requests are the kind the other files hold least.
 
 Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
 """
@@ -132,6 +136,26 @@ def gsm8k_variants(questions: list[dict], copies: int, seed: int = 0) -> list[di
     return [v for v in variants if v["turns"][0] not in originals]  # only words, 0 and 1: nothing was redrawn
 
 
+WRITING_PARTS = Path(__file__).with_name("writing_requests.json")
+
+
+def writing_requests(parts: dict, seed: int = 0) -> list[dict]:
+    """Every form of ``parts["forms"]`` with every subject, once each, in a seeded shuffled order (any prefix mixes
+    forms and subjects); a form with ``{audience}`` draws one of ``parts["audiences"]``, and a third of the requests
+    end with one of ``parts["constraints"]`` ("Keep it under 200 words."), so that one subject is asked for in several
+    shapes and lengths. Ids name the form and subject: ``writing/F-S``."""
+    rng = random.Random(seed)
+    pairs = [(f, s) for f in range(len(parts["forms"])) for s in range(len(parts["subjects"]))]
+    rng.shuffle(pairs)
+    entries = []
+    for f, s in pairs:
+        text = parts["forms"][f].format(subject=parts["subjects"][s], audience=rng.choice(parts["audiences"]))
+        if rng.random() < 1 / 3:
+            text += rng.choice(parts["constraints"])
+        entries.append({"id": f"writing/{f}-{s}", "turns": [text]})
+    return entries
+
+
 def read(name: str) -> list[dict]:
     with open(DATASETS / name) as f:
         return [json.loads(line) for line in f]
@@ -160,6 +184,7 @@ def main(out: Path) -> None:
     taken: set[str] = set()
     write(out / "code_completion.jsonl", code_completion_prompts(COMPLETION_SOURCES, taken))
     write(out / "code_completion_more.jsonl", code_completion_prompts(MORE_COMPLETION_SOURCES, taken))
+    write(out / "writing.jsonl", writing_requests(json.loads(WRITING_PARTS.read_text())))
 
 
 if __name__ == "__main__":

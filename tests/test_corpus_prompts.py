@@ -96,3 +96,30 @@ def test_gsm8k_variants_redraw_every_number_in_its_shape_and_keep_0_and_1():
                for m in drawn)  # never the original's number
     assert len({v["turns"][0] for v in variants}) == 3
     assert corpus_prompts.gsm8k_variants(questions, copies=3, seed=0) == variants  # seeded
+
+
+def test_writing_requests_pair_every_form_with_every_subject_once_in_a_seeded_order():
+    parts = {"forms": ["Write a poem about {subject}.", "Write an email to {audience} about {subject}."],
+             "subjects": ["kites", "tea", "rain"], "audiences": ["your manager", "a ten-year-old"],
+             "constraints": [" Keep it short."]}
+    requests = corpus_prompts.writing_requests(parts, seed=0)
+    assert sorted(r["id"] for r in requests) == [f"writing/{f}-{s}" for f in range(2) for s in range(3)]
+    for r in requests:
+        form, subject = (int(i) for i in r["id"].removeprefix("writing/").split("-"))
+        text = r["turns"][0].removesuffix(" Keep it short.")
+        if form == 0:
+            assert text == f"Write a poem about {parts['subjects'][subject]}."
+        else:
+            assert re.fullmatch(rf"Write an email to (your manager|a ten-year-old) about {parts['subjects'][subject]}\.",
+                                text), text
+    assert corpus_prompts.writing_requests(parts, seed=0) == requests  # seeded
+    assert corpus_prompts.writing_requests(parts, seed=1) != requests
+
+
+def test_the_shipped_writing_parts_compose_thousands_of_distinct_requests():
+    requests = corpus_prompts.writing_requests(json.loads(corpus_prompts.WRITING_PARTS.read_text()))
+    texts = [r["turns"][0] for r in requests]
+    assert len(texts) == len(set(texts)) > 4000
+    assert not any("{" in t for t in texts)  # every placeholder filled
+    forms = {r["id"].split("/")[1].split("-")[0] for r in requests[:200]}
+    assert len(forms) > 20  # a prefix of the file mixes the forms

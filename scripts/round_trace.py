@@ -1,9 +1,9 @@
 """What the single-sequence controller chooses, call after call in one process: DFlash through
 ``target.generate(assistant_model=draft)`` on one held-out prompt (fp32 default target, shipped drafter, greedy),
 interleaved with plain greedy. Per call: process CPU seconds of both, tau, the rounds by kind (plain / shadow /
-drafter / lookup with an n-gram match of n) with the drafts they proposed and accepted, the shadow rounds' drafter
-forwards in plain rounds, the exploration budget spent against the one allowed, and the unit (a plain round's
-seconds: the first sample, the median, the value at the end of the call).
+drafter / lookup with an n-gram match of n) with the drafts they proposed and accepted, what the lookup rounds
+committed against what the controller priced them at, the shadow rounds' drafter forwards in plain rounds, the
+exploration budget spent against the one allowed, and the unit (a plain round's seconds: the first sample, the median, the value at the end of the call).
 
     taskset -c 0 .venv/bin/python scripts/round_trace.py DATASET INDEX CALLS [NEW_TOKENS]
 
@@ -32,7 +32,10 @@ def traced_verification(self, committed):
     if round is not None:
         kind = f"lookup{round.match}" if round.lookup is not None else (
             "shadow" if round.shadow else "drafter" if round.proposed else "plain")
-        rounds.append((kind, round.proposed, committed.shape[0] - 1))
+        # A lookup round's price as the controller saw it when it chose the round: what lookup cost it in plain rounds.
+        price = (self.lookup_rates[round.match].estimated_cost(round.proposed) if round.lookup is not None
+                 else 0.0)
+        rounds.append((kind, round.proposed, committed.shape[0] - 1, price))
         if self.sizes is not None and self.sizes not in controllers:
             controllers.append(self.sizes)
     return real_verification(self, committed)
@@ -69,7 +72,9 @@ for call in range(calls):
         log.clear()
     dflash_seconds, output = timed(assistant_model=drafter)
     kinds = collections.defaultdict(lambda: [0, 0, 0])
-    for kind, proposed, accepted in rounds:
+    lookup_tokens = sum(1 + accepted for kind, _, accepted, _ in rounds if kind.startswith("lookup"))
+    lookup_price = sum(price for kind, _, _, price in rounds if kind.startswith("lookup"))
+    for kind, proposed, accepted, _ in rounds:
         kinds[kind][0] += 1
         kinds[kind][1] += proposed
         kinds[kind][2] += accepted
@@ -78,6 +83,8 @@ for call in range(calls):
           f"({plain_seconds / dflash_seconds:.3f}x), tau {drafter.last_stats.mean_acceptance_length:.2f}, "
           f"identical {torch.equal(plain, output)}")
     print("  rounds (count, proposed, accepted):", {kind: tuple(v) for kind, v in sorted(kinds.items())})
+    print(f"  lookup rounds committed {lookup_tokens} tokens for {lookup_price:.1f} plain rounds (their estimated "
+          f"cost when chosen; plain decoding commits 1 per round)")
     print(f"  shadow drafter forwards {[round(c, 2) for c in shadow_costs]} plain rounds; exploration spent "
           f"{sizes.explored:.2f} of {sizes.allowance + sizes.explore_share * sizes.rounds:.2f}")
     print(f"  unit: first {unit_samples[0] * 1e3:.1f} ms, median {statistics.median(unit_samples) * 1e3:.1f} ms, "

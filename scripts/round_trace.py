@@ -3,7 +3,8 @@
 interleaved with plain greedy. Per call: process CPU seconds of both, tau, the rounds by kind (plain / shadow /
 drafter / lookup with an n-gram match of n) with the drafts they proposed and accepted, what the lookup rounds
 committed against what the controller priced them at, the shadow rounds' drafter forwards in plain rounds, the
-exploration budget spent against the one allowed, and the unit (a plain round's seconds: the first sample, the median, the value at the end of the call).
+exploration budget spent against the one allowed, and the unit (a plain round's seconds: the first sample, the
+median, the value at the end of the call).
 
     taskset -c 0 .venv/bin/python scripts/round_trace.py DATASET INDEX CALLS [NEW_TOKENS]
 

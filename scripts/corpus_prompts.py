@@ -141,9 +141,10 @@ WRITING_PARTS = Path(__file__).with_name("writing_requests.json")
 
 def writing_requests(parts: dict, seed: int = 0) -> list[dict]:
     """Every form of ``parts["forms"]`` with every subject, once each, in a seeded shuffled order (any prefix mixes
-    forms and subjects); a form with ``{audience}`` draws one of ``parts["audiences"]``, and a third of the requests
-    end with one of ``parts["constraints"]`` ("Keep it under 200 words."), so that one subject is asked for in several
-    shapes and lengths. Ids name the form and subject: ``writing/F-S``."""
+    forms and subjects); every request draws one of ``parts["audiences"]``, which only a form with ``{audience}``
+    uses, and a third of the requests end with one of ``parts["constraints"]`` ("Keep it under 200 words."), so that
+    one subject is asked for in several shapes and lengths. Ids name the form and subject: ``writing/F-S``. The draws
+    stay as they are: the committed answers follow this file's order."""
     rng = random.Random(seed)
     pairs = [(f, s) for f in range(len(parts["forms"])) for s in range(len(parts["subjects"]))]
     rng.shuffle(pairs)

@@ -73,12 +73,12 @@ for call in range(calls):
         log.clear()
     dflash_seconds, output = timed(assistant_model=drafter)
     kinds = collections.defaultdict(lambda: [0, 0, 0])
-    lookup_tokens = sum(1 + accepted for kind, _, accepted, _ in rounds if kind.startswith("lookup"))
-    lookup_price = sum(price for kind, _, _, price in rounds if kind.startswith("lookup"))
     for kind, proposed, accepted, _ in rounds:
         kinds[kind][0] += 1
         kinds[kind][1] += proposed
         kinds[kind][2] += accepted
+    lookup_tokens = sum(count + accepted for kind, (count, _, accepted) in kinds.items() if kind.startswith("lookup"))
+    lookup_price = sum(price for *_, price in rounds)  # 0 for every round but a lookup's
     sizes = controllers[0]
     print(f"{record['id']} call {call}: plain {plain_seconds:.2f} s, DFlash {dflash_seconds:.2f} s "
           f"({plain_seconds / dflash_seconds:.3f}x), tau {drafter.last_stats.mean_acceptance_length:.2f}, "

@@ -337,7 +337,7 @@ def first_difference(output: torch.LongTensor, reference: torch.LongTensor, prom
 
 
 def divergence_margin(target, output: torch.LongTensor, reference: torch.LongTensor, prompt_len: int,
-                      position: int, exact=None) -> dict:
+                      position: int, exact=None, neighbours: list[torch.LongTensor] | None = None) -> dict:
     """Why ``output`` parted from ``reference`` at generated index ``position``: is it a floating-point near-tie?
 
     ``exact`` is the target in float32 (default: ``target`` itself, which must then be float32). One forward of the
@@ -346,6 +346,9 @@ def divergence_margin(target, output: torch.LongTensor, reference: torch.LongTen
     reference token, ours and the float32 top token) and ``near_tie``: our token is at most 4 x ``error`` (at least 4
     float32 units) below the float32 top logit -- closer than the dtype can tell apart (two or more tokens), so a
     verify over several tokens and a one-token decode may round either way.
+    ``neighbours`` (``[1, n_j]`` rows) are the rows a batch ran beside this one: the prefix then also runs left-padded
+    among them, as a batched ``generate`` runs it, and ``error`` is the larger of the two forwards' (a batch's other
+    kernel shapes round differently from one row's).
     Past the end of one output (one stopped earlier) there is nothing to compare: all None.
     """
     at = prompt_len + position
@@ -356,12 +359,22 @@ def divergence_margin(target, output: torch.LongTensor, reference: torch.LongTen
     with torch.no_grad():
         logits = target(prefix).logits[0, -1].float()
         exact_logits = logits if exact is target else exact(prefix.to(exact.device)).logits[0, -1].float().cpu()
+        in_dtype = [logits] if not neighbours else [logits, _logits_among(target, prefix, neighbours)]
     ours, theirs, top = int(output[0, at]), int(reference[0, at]), int(exact_logits.argmax())
-    error = max(float((logits[t] - exact_logits[t]).abs()) for t in (ours, theirs, top))
+    error = max(float((row[t] - exact_logits[t]).abs()) for row in in_dtype for t in (ours, theirs, top))
     floor = 4 * torch.finfo(torch.float32).eps * float(exact_logits[top].abs())
     behind = float(exact_logits[top] - exact_logits[ours])
     gap = float(exact_logits[theirs] - exact_logits[ours])
     return {"gap": gap, "error": error, "near_tie": behind <= max(4 * error, floor)}
+
+
+def _logits_among(target, prefix: torch.LongTensor, neighbours: list[torch.LongTensor]) -> torch.Tensor:
+    """The logits after ``prefix`` ``[1, n]`` when it runs left-padded among ``neighbours``, with the position ids a
+    batched ``generate`` derives from the attention mask, as float32."""
+    ids, mask = left_pad([prefix.cpu(), *(row.cpu() for row in neighbours)], pad_token_id=0)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    device = prefix.device
+    return target(ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device)).logits[0, -1].float()
 
 
 def float32_twin(target):
@@ -601,7 +614,9 @@ def run_batch_benchmark(target, prompts: list[BenchPrompt], drafter, batch_size:
             rows_equal += position is None
             if position is not None and not options["do_sample"]:
                 exact = exact or float32_twin(target)
-                margin = divergence_margin(target, output, reference, start, position, exact)
+                neighbours = [torch.cat([other.input_ids.to(plain.device), plain[j : j + 1, :position]], dim=-1)
+                              for j, other in enumerate(group) if j != i]
+                margin = divergence_margin(target, output, reference, start, position, exact, neighbours)
                 partings.append({"group": index, "prompt_id": prompt.id, "position": position, **margin})
         if progress:
             print(f"batch {index + 1}/{len(groups)} done", flush=True)

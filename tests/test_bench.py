@@ -276,6 +276,31 @@ def test_divergence_margin_tells_a_near_tie_from_a_real_difference():
     assert divergence_margin(target, parted[:, :10], reference, 8, 2)["near_tie"] is None
 
 
+def test_divergence_margin_in_a_batch_also_measures_the_padded_batched_forward():
+    """A batch parting is judged against the rounding of the prefix run left-padded among the batch's other rows too:
+    in float32 that forward equals the row alone (the padding is masked out as in a batched generate), in bf16 its
+    error counts as well."""
+    from dflash_hf.bench import divergence_margin, float32_twin
+
+    target = tiny_target("qwen3")
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(4, VOCAB, (1, 8), generator=gen)
+    reference = target.generate(prompt, max_new_tokens=6, do_sample=False)
+    neighbours = [torch.randint(4, VOCAB, (1, n), generator=gen) for n in (3, 17)]  # one shorter, one longer
+    with torch.no_grad():
+        logits = target(reference[:, :10]).logits[0, -1]
+    parted = reference.clone()
+    parted[0, 10] = int(logits.topk(2).indices[1])
+    alone = divergence_margin(target, parted, reference, 8, 2)
+    among = divergence_margin(target, parted, reference, 8, 2, neighbours=neighbours)
+    assert alone["error"] == 0.0 and among["error"] < 1e-4 and among["gap"] == alone["gap"]
+    low = tiny_target("qwen3").to(torch.bfloat16)
+    twin = float32_twin(low)
+    alone = divergence_margin(low, parted, reference, 8, 2, exact=twin)
+    among = divergence_margin(low, parted, reference, 8, 2, exact=twin, neighbours=neighbours)
+    assert among["error"] >= alone["error"] > 0 and among["gap"] == alone["gap"]
+
+
 def test_draft_phase_covers_the_whole_draft_including_the_head(models, monkeypatch):
     """The drafter's own hooks nest inside the draft head's: the head's logits after the drafter forward are draft
     time too."""

@@ -373,8 +373,8 @@ def _logits_among(target, prefix: torch.LongTensor, neighbours: list[torch.LongT
     batched ``generate`` derives from the attention mask, as float32."""
     ids, mask = left_pad([prefix.cpu(), *(row.cpu() for row in neighbours)], pad_token_id=0)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    device = prefix.device
-    return target(ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device)).logits[0, -1].float()
+    ids, mask, positions = (t.to(prefix.device) for t in (ids, mask, positions))
+    return target(ids, attention_mask=mask, position_ids=positions).logits[0, -1].float()
 
 
 def float32_twin(target):

@@ -297,7 +297,13 @@ def test_divergence_margin_in_a_batch_also_measures_the_padded_batched_forward()
     low = tiny_target("qwen3").to(torch.bfloat16)
     twin = float32_twin(low)
     alone = divergence_margin(low, parted, reference, 8, 2, exact=twin)
+    calls = []
+    low.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs.get("attention_mask")),
+                                  with_kwargs=True)
     among = divergence_margin(low, parted, reference, 8, 2, exact=twin, neighbours=neighbours)
+    batched = [mask for mask in calls if mask is not None]
+    assert len(batched) == 1 and batched[0].shape == (3, 17)  # the prefix (10 tokens) beside the rows of 3 and 17
+    assert batched[0][0].tolist() == [0] * 7 + [1] * 10 and batched[0][1].tolist() == [0] * 14 + [1] * 3
     assert among["error"] >= alone["error"] > 0 and among["gap"] == alone["gap"]
 
 

@@ -27,8 +27,12 @@
   name the first file has (``corpora/*/code-completion-more``);
 * ``writing.jsonl``: writing requests (a blog post, a story, an email to someone, a speech, an explanation for a
   given audience, ...) composed from ``writing_requests.json``: every form with every subject once, some with an
-  audience or a constraint, in a seeded shuffled order (``writing_requests``; ``corpora/*/writing``). ShareGPT's short
-  first turns are all answered, and writing requests are the kind the other files hold least.
+  audience or a constraint, in a seeded shuffled order (``composed_requests``; ``corpora/*/writing``). ShareGPT's short
+  first turns are all answered, and writing requests are the kind the other files hold least;
+* ``questions.jsonl``: the same composition from ``question_requests.json``: knowledge questions, explanations,
+  tutoring, role-play and formatted answers (JSON, a table, bullet points) on STEM, humanities and social subjects
+  (``corpora/*/questions``), the kinds of request chat users make that neither ShareGPT's short turns nor the writing
+  requests cover well. The subjects of MT-Bench's STEM and humanities questions are left out.
 
 Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
 """
@@ -137,14 +141,15 @@ def gsm8k_variants(questions: list[dict], copies: int, seed: int = 0) -> list[di
 
 
 WRITING_PARTS = Path(__file__).with_name("writing_requests.json")
+QUESTION_PARTS = Path(__file__).with_name("question_requests.json")
 
 
-def writing_requests(parts: dict, seed: int = 0) -> list[dict]:
+def composed_requests(parts: dict, kind: str, seed: int = 0) -> list[dict]:
     """Every form of ``parts["forms"]`` with every subject, once each, in a seeded shuffled order (any prefix mixes
     forms and subjects); every request draws one of ``parts["audiences"]``, which only a form with ``{audience}``
     uses, and a third of the requests end with one of ``parts["constraints"]`` ("Keep it under 200 words."), so that
-    one subject is asked for in several shapes and lengths. Ids name the form and subject: ``writing/F-S``. The draws
-    stay as they are: the committed answers follow this file's order."""
+    one subject is asked for in several shapes and lengths. Ids name the kind, form and subject: ``writing/F-S``. The
+    draws stay as they are: the committed answers follow this file's order."""
     rng = random.Random(seed)
     pairs = [(f, s) for f in range(len(parts["forms"])) for s in range(len(parts["subjects"]))]
     rng.shuffle(pairs)
@@ -153,7 +158,7 @@ def writing_requests(parts: dict, seed: int = 0) -> list[dict]:
         text = parts["forms"][f].format(subject=parts["subjects"][s], audience=rng.choice(parts["audiences"]))
         if rng.random() < 1 / 3:
             text += rng.choice(parts["constraints"])
-        entries.append({"id": f"writing/{f}-{s}", "turns": [text]})
+        entries.append({"id": f"{kind}/{f}-{s}", "turns": [text]})
     return entries
 
 
@@ -185,7 +190,8 @@ def main(out: Path) -> None:
     taken: set[str] = set()
     write(out / "code_completion.jsonl", code_completion_prompts(COMPLETION_SOURCES, taken))
     write(out / "code_completion_more.jsonl", code_completion_prompts(MORE_COMPLETION_SOURCES, taken))
-    write(out / "writing.jsonl", writing_requests(json.loads(WRITING_PARTS.read_text())))
+    write(out / "writing.jsonl", composed_requests(json.loads(WRITING_PARTS.read_text()), "writing"))
+    write(out / "questions.jsonl", composed_requests(json.loads(QUESTION_PARTS.read_text()), "questions"))
 
 
 if __name__ == "__main__":

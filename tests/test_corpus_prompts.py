@@ -5,6 +5,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("corpus_prompts", REPO / "scripts" / "corpus_prompts.py")
 corpus_prompts = importlib.util.module_from_spec(_spec)
@@ -98,11 +100,11 @@ def test_gsm8k_variants_redraw_every_number_in_its_shape_and_keep_0_and_1():
     assert corpus_prompts.gsm8k_variants(questions, copies=3, seed=0) == variants  # seeded
 
 
-def test_writing_requests_pair_every_form_with_every_subject_once_in_a_seeded_order():
+def test_composed_requests_pair_every_form_with_every_subject_once_in_a_seeded_order():
     parts = {"forms": ["Write a poem about {subject}.", "Write an email to {audience} about {subject}."],
              "subjects": ["kites", "tea", "rain"], "audiences": ["your manager", "a ten-year-old"],
              "constraints": [" Keep it short."]}
-    requests = corpus_prompts.writing_requests(parts, seed=0)
+    requests = corpus_prompts.composed_requests(parts, "writing", seed=0)
     assert sorted(r["id"] for r in requests) == [f"writing/{f}-{s}" for f in range(2) for s in range(3)]
     for r in requests:
         form, subject = (int(i) for i in r["id"].removeprefix("writing/").split("-"))
@@ -112,14 +114,26 @@ def test_writing_requests_pair_every_form_with_every_subject_once_in_a_seeded_or
         else:
             assert re.fullmatch(rf"Write an email to (your manager|a ten-year-old) about {parts['subjects'][subject]}\.",
                                 text), text
-    assert corpus_prompts.writing_requests(parts, seed=0) == requests  # seeded
-    assert corpus_prompts.writing_requests(parts, seed=1) != requests
+    assert corpus_prompts.composed_requests(parts, "writing", seed=0) == requests  # seeded
+    assert corpus_prompts.composed_requests(parts, "writing", seed=1) != requests
 
 
-def test_the_shipped_writing_parts_compose_thousands_of_distinct_requests():
-    requests = corpus_prompts.writing_requests(json.loads(corpus_prompts.WRITING_PARTS.read_text()))
+@pytest.mark.parametrize("kind", ["writing", "questions"])
+def test_the_shipped_parts_compose_thousands_of_distinct_requests(kind):
+    parts_file = {"writing": corpus_prompts.WRITING_PARTS, "questions": corpus_prompts.QUESTION_PARTS}[kind]
+    requests = corpus_prompts.composed_requests(json.loads(parts_file.read_text()), kind)
     texts = [r["turns"][0] for r in requests]
     assert len(texts) == len(set(texts)) > 4000
     assert not any("{" in t for t in texts)  # every placeholder filled
+    assert all(r["id"].startswith(f"{kind}/") for r in requests)
     forms = {r["id"].split("/")[1].split("-")[0] for r in requests[:200]}
     assert len(forms) > 20  # a prefix of the file mixes the forms
+
+
+def test_the_question_subjects_leave_mt_bench_topics_out():
+    """The question requests must not teach the drafter MT-Bench's own STEM and humanities topics (MT-Bench is held
+    out): none of the subjects that its questions name is a subject here."""
+    subjects = {s.lower() for s in json.loads(corpus_prompts.QUESTION_PARTS.read_text())["subjects"]}
+    for named in ("the pythagorean theorem", "probability", "recursion", "the renaissance", "earthquakes",
+                  "photosynthesis", "antitrust laws", "machine learning", "the fibonacci sequence"):
+        assert named not in subjects

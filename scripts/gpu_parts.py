@@ -53,29 +53,42 @@ def travelling_tree_bytes(repo: Path) -> int:
 
 # ---------------------------------------------------------------------------------------------------------- pack
 def pack(payload: Path, extras: dict[str, Path], out: Path, call_bytes: int, tree_bytes: int,
-         margin_bytes: int = MIB) -> dict:
+         margin_bytes: int = MIB, last_call_bytes: int = 0) -> dict:
     """Write ``out/1``, ``out/2``, ...: the ``extras`` (name -> folder, whole files) in folder 1, then the payload
-    split into parts so that every folder plus the tree stays under ``call_bytes``. Returns the manifest (also
-    written into every folder)."""
+    split into parts so that every folder plus the tree stays under ``call_bytes``; the last call also carries
+    ``last_call_bytes`` of other paths (the repository's bulky folders, out of the tree: they arrive with the call
+    that completes the payload, the one that runs the work). Returns the manifest (also written into every
+    folder)."""
     room = call_bytes - tree_bytes - margin_bytes
     extra_files = {f"{name}/{p.name}": p for name, folder in extras.items() for p in sorted(Path(folder).iterdir())
                    if p.is_file()}
     first_room = room - sum(p.stat().st_size for p in extra_files.values())
-    if first_room <= 0 or room <= 0:
+    if first_room <= 0 or room - last_call_bytes <= 0:
         raise SystemExit(f"no room: {room / MIB:.1f} MiB per call beside the tree, extras "
-                         f"{sum(p.stat().st_size for p in extra_files.values()) / MIB:.1f} MiB")
+                         f"{sum(p.stat().st_size for p in extra_files.values()) / MIB:.1f} MiB, last call's other "
+                         f"paths {last_call_bytes / MIB:.1f} MiB")
     if out.exists():
         shutil.rmtree(out)
-    size, offset, parts = payload.stat().st_size, 0, []
+    size = payload.stat().st_size
+    sizes, left = [], size  # the parts' sizes: each as full as it goes; the last leaves room for last_call_bytes
+    while True:
+        cap = first_room if not sizes else room
+        if left + last_call_bytes <= cap:
+            sizes.append(left)
+            break
+        sizes.append(min(left, cap))
+        left -= sizes[-1]
+        if left == 0:  # the payload is complete but the other paths do not fit beside its last part
+            sizes.append(0)
+            break
+    parts = []
     with open(payload, "rb") as source:
-        while offset < size or not parts:
-            index = len(parts) + 1
-            chunk = source.read(first_room if index == 1 else room)
+        for index, part_size in enumerate(sizes, start=1):
+            chunk = source.read(part_size)
             folder = out / str(index)
             folder.mkdir(parents=True)
             (folder / f"part-{index}").write_bytes(chunk)
             parts.append({"index": index, "size": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
-            offset += len(chunk)
     files = {}
     for relative, path in extra_files.items():
         (out / "1" / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +102,7 @@ def pack(payload: Path, extras: dict[str, Path], out: Path, call_bytes: int, tre
         folder = out / str(part["index"])
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         carried = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-        if carried + tree_bytes > call_bytes:
+        if carried + tree_bytes + (last_call_bytes if part is parts[-1] else 0) > call_bytes:
             raise SystemExit(f"{folder}: {(carried + tree_bytes) / MIB:.1f} MiB with the tree, over the limit")
     return manifest
 
@@ -223,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--call-mib", type=float, default=64.0, help="what one call may carry, tree included")
     p.add_argument("--tree-bytes", type=int, default=None, help="default: measured with git in --repo")
     p.add_argument("--repo", type=Path, default=Path("."))
+    p.add_argument("--last-carries", nargs="*", type=Path, default=[],
+                   help="paths the last call carries too (folders taken out of the tree)")
     p = sub.add_parser("stage")
     p.add_argument("carried", type=Path)
     p.add_argument("stage_dir", type=Path)
@@ -237,10 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "pack":
         extras = dict(item.split("=", 1) for item in args.extra)
         tree = args.tree_bytes if args.tree_bytes is not None else travelling_tree_bytes(args.repo)
+        last = sum(f.stat().st_size for path in args.last_carries for f in [path, *path.rglob("*")] if f.is_file())
         manifest = pack(args.payload, {k: Path(v) for k, v in extras.items()}, args.out, int(args.call_mib * MIB),
-                        tree)
-        print(f"tree {tree / MIB:.1f} MiB; {len(manifest['payload']['parts'])} calls: "
-              + ", ".join(f"carry .gpu/{p['index']}" for p in manifest["payload"]["parts"]))
+                        tree, last_call_bytes=last)
+        carries = [[f".gpu/{p['index']}"] for p in manifest["payload"]["parts"]]
+        carries[-1] += [str(path) for path in args.last_carries]
+        print(f"tree {tree / MIB:.1f} MiB; {len(carries)} calls: "
+              + ", ".join(f"carry {json.dumps(c)}" for c in carries))
     elif args.command == "stage":
         parts = stage(args.carried, args.stage_dir)
         missing = missing_parts(args.stage_dir)

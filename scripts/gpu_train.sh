@@ -50,6 +50,9 @@ gpu_prepare
 if [ "$GPU_READY" != yes ]; then
   exit 0
 fi
+for needed in "$INIT_FROM/config.json" "$CORPUS"; do  # carried by name in the first call (gpu_pack.sh)
+  [ -e "$needed" ] || { log "$needed is not here: carry dflash_hf/corpora and dflash_hf/drafters"; exit 1; }
+done
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 # ---- data: the committed corpus, continued by the target on the GPU (distill skips the shards that exist)

@@ -87,6 +87,18 @@ def test_a_corrupted_part_is_refused_at_staging(tmp_path):
         gpu_parts.stage(tmp_path / "carried", tmp_path / "stage")
 
 
+@pytest.mark.parametrize("last_bytes", [30 * KIB, 140 * KIB])
+def test_the_last_call_leaves_room_for_the_folders_it_carries_too(tmp_path, last_bytes):
+    payload = tmp_path / "target.gguf"
+    payload.write_bytes(os.urandom(300 * KIB))
+    manifest = gpu_parts.pack(payload, {}, tmp_path / "carried", 200 * KIB, 50 * KIB, margin_bytes=4 * KIB,
+                              last_call_bytes=last_bytes)
+    sizes = [part["size"] for part in manifest["payload"]["parts"]]
+    assert sum(sizes) == 300 * KIB and all(size <= 146 * KIB for size in sizes)
+    assert sizes[-1] + last_bytes <= 146 * KIB  # the call that completes the payload also carries the folders
+    assert len(sizes) == (3 if last_bytes == 30 * KIB else 4)  # 146 + 146 + 8 | 146 + 146 + 8 + 0
+
+
 def test_pack_refuses_when_nothing_fits_beside_the_tree(tmp_path):
     with pytest.raises(SystemExit, match="no room"):
         pack_fixture(tmp_path, call_bytes=60 * KIB)

@@ -6,6 +6,9 @@
 #
 #   bash scripts/gpu_speed.sh          # after gpu_train.sh in the same lease, or alone: carry .gpu/1, .gpu/2, ...
 #
+# The shipped drafter travels by name (carry dflash_hf/drafters) in this call too: the machine does not keep a
+# folder inside the tree that an earlier call carried (seen on the H200, 2026-12-04).
+#
 # Settings (environment): SPEED_SECONDS=330 (measuring; the whole call stays under 8 minutes with the target's
 # conversion), SPEED_TOKENS=256, SPEED_PROMPTS=2 (per prompt set, and random Qwen3 prompts), SPEED_REPEATS=2,
 # SPEED_QWEN3=full (tiny: the CPU rehearsal), SPEED_DRAFT (default: the shipped drafter), DEVICE (cuda when
@@ -18,6 +21,10 @@ PROMPTS=${PROMPTS:-$STAGE/1/prompts}
 gpu_prepare
 if [ "$GPU_READY" != yes ]; then
   exit 0
+fi
+if [ -z "${SPEED_DRAFT:-}" ] && [ ! -f "$REPO/dflash_hf/drafters/smollm2-135m-instruct/config.json" ]; then
+  log "the shipped drafter is not here: carry dflash_hf/drafters in this call"
+  exit 1
 fi
 DTYPE=bfloat16
 [ "${DEVICE:-cuda}" = cpu ] && DTYPE=float32  # the CPU rehearsal

@@ -13,10 +13,11 @@
 #
 # Settings (environment, defaults for the H200): TOTAL_SECONDS=480 (the whole call, from the start of this script),
 # DISTILL_SECONDS=90 (0: no new answers), EVAL_SECONDS=75 (kept for the evaluation; it is skipped when less is
-# left), BATCH=16, ANCHORS=512, EPOCHS=6, LR=6e-4, ATTN=flex_attention (sdpa if FlexAttention fails), DEVICE=cuda,
-# TRAIN_VOCAB=8192, DISTILL_BATCH=96, DISTILL_TOKENS=384, DISTILL_EXTRA (prompts past the committed ones; default all the time
-# allows), EXPORT_EVERY=60, EVAL_LIMIT=10, EVAL_TOKENS=128, EVAL_BLOCK=16, MASK=16, INIT_FROM (the shipped
-# drafter), CORPUS (the committed corpus folder), PROMPTS ($STAGE/1/prompts), plus those of scripts/gpu_common.sh;
+# left), BATCH=16, ANCHORS=512, EPOCHS=6, LR=6e-4, GAMMA=7, TRAIN_VOCAB=8192, ATTN=flex_attention (sdpa if
+# FlexAttention fails), DEVICE=cuda, DISTILL_BATCH=96, DISTILL_TOKENS=384, DISTILL_EXTRA (prompts past the committed
+# ones; default all the time allows), EXPORT_EVERY=60, EVAL_LIMIT=10, EVAL_TOKENS=128, EVAL_BLOCK=16, MASK=16,
+# INIT_FROM (the shipped drafter), CORPUS (the committed corpus folder), PROMPTS ($STAGE/1/prompts), plus those of
+# scripts/gpu_common.sh;
 # DEVICE=cpu runs the target in float32 (the rehearsals: scripts/gpu_rehearse.sh, tests/test_gpu_scripts.py).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
@@ -30,6 +31,7 @@ BATCH=${BATCH:-16}
 ANCHORS=${ANCHORS:-512}
 EPOCHS=${EPOCHS:-6}
 LR=${LR:-6e-4}
+GAMMA=${GAMMA:-7}
 TRAIN_VOCAB=${TRAIN_VOCAB:-8192}  # the shipped drafter's draft vocabulary size (0: the full vocabulary)
 ATTN=${ATTN:-flex_attention}
 DEVICE=${DEVICE:-cuda}
@@ -97,7 +99,8 @@ train_drafter() {  # train_drafter ATTN SECONDS (--schedule time: the seconds of
   log "training with $1 for $2 s of schedule"
   "$PY" -m dflash_hf train --target "$TARGET" --data "$MIX" --output-dir "$STAGE/run" --mask-token-id "$MASK" \
     --init-from "$INIT_FROM" --online-features --target-dtype "$DTYPE" $([ "$DTYPE" = bfloat16 ] && echo --bf16) \
-    --attn-implementation "$1" --num-anchors "$ANCHORS" --batch-size "$BATCH" --lr "$LR" --warmup-ratio 0.04 --train-vocab "$TRAIN_VOCAB" \
+    --attn-implementation "$1" --num-anchors "$ANCHORS" --batch-size "$BATCH" --lr "$LR" --gamma "$GAMMA" \
+    --warmup-ratio 0.04 --train-vocab "$TRAIN_VOCAB" \
     --epochs "$EPOCHS" --schedule time --time-budget "$2" --max-length 3072 --save-every 200 \
     --keep-checkpoints 1 --log-every 10 --final-max-shard-size 15MB --export-dir "$OUT" \
     --export-every "$EXPORT_EVERY" --device "$DEVICE" --seed 0 --quiet --resume auto

@@ -3,7 +3,9 @@
     python scripts/plot_training_runs.py docs/training-runs.json docs/smollm2-runs-curve.png
 
 Each run continues from the previous one (`dflash-hf train --init-from`); the JSON holds the measured points and
-how they were measured. A held-out set first measured at a later run is plotted from that run on.
+how they were measured. A held-out set first measured at a later run is plotted from that run on. A run marked
+``"branch": true`` continued a drafter that the next run did not continue from (it was not shipped): its points
+are drawn as crosses, off the lines.
 """
 
 import json
@@ -20,8 +22,13 @@ def main(table: str, out: str) -> None:
     blocks = [run["blocks"] / 1000 for run in runs]
     fig, ax = plt.subplots(figsize=(8.5, 4))
     for dataset in dict.fromkeys(name for run in runs for name in run["tau"]):  # a set measured from some run on
-        points = [(x, run["tau"][dataset]) for x, run in zip(blocks, runs) if dataset in run["tau"]]
-        ax.plot(*zip(*points), marker="o", label=dataset)
+        points = [(x, run["tau"][dataset]) for x, run in zip(blocks, runs)
+                  if dataset in run["tau"] and not run.get("branch")]
+        (line,) = ax.plot(*zip(*points), marker="o", label=dataset)
+        branches = [(x, run["tau"][dataset]) for x, run in zip(blocks, runs)
+                    if dataset in run["tau"] and run.get("branch")]
+        if branches:
+            ax.plot(*zip(*branches), marker="x", linestyle="none", color=line.get_color(), markersize=8)
     ax.margins(x=0.08)  # room for the last run's label
     for x, run in zip(blocks, runs):
         ax.annotate(run["name"].split(":")[0], (x, ax.get_ylim()[0]), textcoords="offset points", xytext=(2, 4),

@@ -102,8 +102,9 @@ def pack(payload: Path, extras: dict[str, Path], out: Path, call_bytes: int, tre
         folder = out / str(part["index"])
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         carried = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-        if carried + tree_bytes + (last_call_bytes if part is parts[-1] else 0) > call_bytes:
-            raise SystemExit(f"{folder}: {(carried + tree_bytes) / MIB:.1f} MiB with the tree, over the limit")
+        carried += tree_bytes + (last_call_bytes if part is parts[-1] else 0)
+        if carried > call_bytes:
+            raise SystemExit(f"{folder}: {carried / MIB:.1f} MiB with the tree, over the limit")
     return manifest
 
 

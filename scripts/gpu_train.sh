@@ -17,8 +17,8 @@
 # FlexAttention fails), DEVICE=cuda, DISTILL_BATCH=96, DISTILL_TOKENS=384, DISTILL_EXTRA (prompts past the committed
 # ones; default all the time allows), EXPORT_EVERY=60, EVAL_LIMIT=10, EVAL_TOKENS=128, EVAL_BLOCK=16, MASK=16,
 # INIT_FROM (the shipped drafter), CORPUS (the committed corpus folder), PROMPTS ($STAGE/1/prompts), plus those of
-# scripts/gpu_common.sh;
-# DEVICE=cpu runs the target in float32 (the rehearsals: scripts/gpu_rehearse.sh, tests/test_gpu_scripts.py).
+# scripts/gpu_common.sh; DEVICE=cpu runs the target in float32 (the rehearsals: scripts/gpu_rehearse.sh,
+# tests/test_gpu_scripts.py).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
 mkdir -p "$OUT"
@@ -53,7 +53,7 @@ gpu_prepare
 if [ "$GPU_READY" != yes ]; then
   exit 0
 fi
-for needed in "$INIT_FROM/config.json" "$CORPUS"; do  # carried by name in the first call (gpu_pack.sh)
+for needed in "$INIT_FROM/config.json" "$CORPUS"; do  # carried by name in the last call (gpu_pack.sh)
   [ -e "$needed" ] || { log "$needed is not here: carry dflash_hf/corpora and dflash_hf/drafters"; exit 1; }
 done
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

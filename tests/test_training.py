@@ -32,6 +32,7 @@ from dflash_hf.training.trainer import (
     block_loss,
     budget_cosine_lambda,
     cosine_lambda,
+    grow_draft,
     resolve_attention,
     resolve_autocast,
     warm_start_from_target,
@@ -555,6 +556,38 @@ def test_trained_drafter_beats_untrained(work, tmp_path):
         acceptance(target, trained, [ids], block_size=8, max_new_tokens=32)
         assert measured["blocks"] == 1
         assert measured["tau"] == trained.last_stats.acceptance_lengths[0]
+
+
+def test_a_grown_drafter_starts_as_the_drafter_it_grew_from():
+    """Appended layers add nothing to the residual stream at first, so the grown drafter's hidden states equal the
+    original's; it saves and loads with its new depth."""
+    torch.manual_seed(0)
+    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=50, block_size=4, target_layer_ids=[0, 1],
+                          mask_token_id=49)
+    draft = DFlashDraftModel(config).eval()
+    grown = grow_draft(draft, 2).eval()
+    assert grown.config.num_hidden_layers == 4 and len(grown.layers) == 4 and len(grown.config.layer_types) == 4
+    assert draft.config.num_hidden_layers == 2  # the source is left as it was
+    inputs = dict(noise_embedding=torch.randn(1, 4, 32), target_hidden=torch.randn(1, 7, 64),
+                  position_ids=torch.arange(11)[None])
+    with torch.no_grad():
+        torch.testing.assert_close(grown(**inputs).last_hidden_state, draft(**inputs).last_hidden_state)
+        for layer in grown.layers[2:]:  # not a copy of an old layer: only the output projections start at zero
+            layer.self_attn.o_proj.weight.normal_()
+        assert not torch.allclose(grown(**inputs).last_hidden_state, draft(**inputs).last_hidden_state)
+
+
+def test_training_grows_a_trained_drafter_and_refuses_to_grow_nothing(work, tmp_path, capsys):
+    main(train_argv(work, tmp_path / "small", "--max-steps", "2", "--final-dtype", "float32"))
+    main(train_argv(work, tmp_path / "deep", "--max-steps", "3", "--final-dtype", "float32",
+                    "--init-from", str(tmp_path / "small" / "final"), "--add-draft-layers", "1"))
+    small = DFlashDraftModel.from_pretrained(tmp_path / "small" / "final")
+    deep = DFlashDraftModel.from_pretrained(tmp_path / "deep" / "final")
+    assert (small.config.num_hidden_layers, deep.config.num_hidden_layers) == (1, 2)
+    assert deep.layers[1].mlp.down_proj.weight.abs().sum() > 0  # the new layer trained
+    with pytest.raises(ValueError, match="--add-draft-layers grows a trained drafter: pass .* --init-from"):
+        main(train_argv(work, tmp_path / "none", "--max-steps", "1", "--add-draft-layers", "1"))
 
 
 def test_warm_start_llama_target(tmp_path):

@@ -99,6 +99,9 @@ def _add_train_options(p):
     g.add_argument("--init-from", default=None,
                    help="start from this trained drafter folder (its shape; fresh optimizer and schedule), e.g. the "
                    "shipped one: training accumulates across runs")
+    g.add_argument("--add-draft-layers", type=NON_NEGATIVE_INT, default=0,
+                   help="with --init-from: append this many decoder layers, starting as the identity (zero output "
+                   "projections), to train a deeper drafter from a trained one")
     g.add_argument("--warm-start", action="store_true",
                    help="copy the target's top layers and final norm into the drafter; fc selects the last feature")
     g.add_argument("--attn-implementation", default="auto",

@@ -71,6 +71,7 @@ class TrainOptions:
     target_layer_ids: list[int] | None = None  # None: the shards' ids, else build_target_layer_ids
     intermediate_size: int | None = None  # drafter MLP width (None: the target's)
     init_from: str | None = None  # start from this trained drafter folder (fresh optimizer and schedule)
+    add_draft_layers: int = 0  # with init_from: append this many layers that start as the identity
     warm_start: bool = False  # copy the target's top layers and final norm into the drafter
     attn_implementation: str = "auto"  # auto, block_sparse, flex_attention, sdpa or eager (training only)
     # blocks and loss

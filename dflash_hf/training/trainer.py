@@ -211,6 +211,27 @@ def build_draft(target, options: TrainOptions, layer_ids: list[int] | None) -> D
     return DFlashDraftModel(config)
 
 
+def grow_draft(draft: DFlashDraftModel, extra_layers: int) -> DFlashDraftModel:
+    """``draft`` with ``extra_layers`` decoder layers appended after its own, computing the same function at first:
+    a new layer's attention and MLP outputs start at zero (``o_proj`` and ``down_proj``), so it adds nothing to the
+    residual stream until training moves them. A deeper drafter thus continues from a trained shallower one instead of
+    starting over; gradients reach the new layers' other weights once their output projections have moved."""
+    config = copy.deepcopy(draft.config)
+    kinds = list(config.layer_types or ["full_attention"] * config.num_hidden_layers)
+    config.layer_types = kinds + [kinds[-1]] * extra_layers
+    config.num_hidden_layers += extra_layers
+    grown = DFlashDraftModel(config).to(draft.dtype)
+    missing, unexpected = grown.load_state_dict(draft.state_dict(), strict=False)
+    first_new = draft.config.num_hidden_layers
+    if unexpected or any(not name.startswith("layers.") or int(name.split(".")[1]) < first_new for name in missing):
+        raise ValueError(f"cannot grow this drafter: unexpected {unexpected}, missing {missing}")
+    with torch.no_grad():
+        for layer in grown.layers[first_new:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown
+
+
 def warm_start_from_target(draft: DFlashDraftModel, target) -> list[str]:
     """Copy the target's top decoder layers into the drafter where names and shapes match.
 
@@ -579,8 +600,11 @@ def setup_training(config: TrainConfig) -> TrainingRun:
 
 
 def load_draft(config: TrainConfig, target, dataset: ShardDataset, resume_dir: Path | None, rank: int):
-    """The drafter to train, in float32: the checkpoint's when resuming, ``init_from``'s (its shape and layer ids),
-    or a new one (``warm_start``: the target's top layers)."""
+    """The drafter to train, in float32: the checkpoint's when resuming, ``init_from``'s (its shape and layer ids;
+    ``add_draft_layers`` more layers, `grow_draft`), or a new one (``warm_start``: the target's top layers)."""
+    if config.add_draft_layers and not config.init_from:
+        raise ValueError("--add-draft-layers grows a trained drafter: pass the drafter to grow with --init-from "
+                         "(for a new drafter, set its depth with --num-draft-layers)")
     if resume_dir is not None:
         draft = DFlashDraftModel.from_pretrained(resume_dir, dtype=torch.float32)
         draft.config._attn_implementation = config.attn_implementation
@@ -590,6 +614,11 @@ def load_draft(config: TrainConfig, target, dataset: ShardDataset, resume_dir: P
         if dataset.has_features and dataset.target_layer_ids not in (None, list(draft.config.target_layer_ids)):
             raise ValueError(f"--init-from {config.init_from} reads layers {draft.config.target_layer_ids} but the "
                              f"shards' features are of layers {dataset.target_layer_ids}; pass --online-features.")
+        if config.add_draft_layers:
+            draft = grow_draft(draft, config.add_draft_layers)
+            if rank == 0:
+                logger.info("grew the drafter to %d layers (the new ones start as the identity)",
+                            draft.config.num_hidden_layers)
     else:
         torch.manual_seed(config.seed)
         draft = build_draft(target, config, config.target_layer_ids or dataset.target_layer_ids)

@@ -494,7 +494,11 @@ class BatchedDFlashLoop:
         """The target reads the prompts; the first token of every row becomes its anchor."""
         positions = (self.slot_mask.long().cumsum(dim=1) - 1).clamp(min=0)
         ids = self.sequences[:, : self.prompt_len]
-        outputs = self._target_forward(ids, self.slot_mask, positions, logits_to_keep=1)
+        # The last position as an index, not `logits_to_keep=1`: the slice `hidden[:, -1:]` of a batch is not
+        # contiguous, and `lm_head` on it runs a bmm that copies the head's weight once per row (pytorch#151934; at
+        # batch 8 in bf16 on a CPU, 0.7-1.7 s per call, more than ten decode steps). Indexing copies the rows instead.
+        last = torch.tensor([ids.shape[1] - 1], device=self.device)
+        outputs = self._target_forward(ids, self.slot_mask, positions, logits_to_keep=last)
         scores = self.logits_processor(ids, outputs.logits[:, -1].float())
         first = self._pick(scores[:, None])[:, 0]
         self._push_context(outputs.hidden_states, self.slot_mask, positions)

@@ -65,6 +65,24 @@ def test_every_row_equals_its_prompt_generated_alone(target, attn):
         assert sum(row.acceptance_lengths) + 1 == 30 and all(1 <= a <= 4 for a in row.acceptance_lengths)
 
 
+def test_the_prefill_hands_lm_head_contiguous_hidden_states(target):
+    """The prefill asks for the last position's logits by index: the slice ``hidden[:, -1:]`` of a batch is not
+    contiguous, and ``lm_head`` on it copies the head's weight once per row (pytorch#151934)."""
+    drafter = tiny_drafter(target, block_size=4)
+    prompts = [random_prompt(seed, length) for seed, length in enumerate((6, 9, 4))]
+    ids, mask = left_padded(prompts)
+    seen = []
+    hook = target.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
+    try:
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, assistant_model=drafter)
+    finally:
+        hook.remove()
+    assert seen[0] == ((3, 1, target.config.hidden_size), True)  # the prefill: one position per row
+    assert all(contiguous for _, contiguous in seen)
+    assert_rows_equal_alone(target, out, ids, prompts, 6)
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 16])
 def test_block_sizes_and_the_adaptive_block_size(block_size):
     target = tiny_target("llama")

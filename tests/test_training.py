@@ -586,8 +586,28 @@ def test_training_grows_a_trained_drafter_and_refuses_to_grow_nothing(work, tmp_
     deep = DFlashDraftModel.from_pretrained(tmp_path / "deep" / "final")
     assert (small.config.num_hidden_layers, deep.config.num_hidden_layers) == (1, 2)
     assert deep.layers[1].mlp.down_proj.weight.abs().sum() > 0  # the new layer trained
+    with torch.no_grad():  # it started as a copy of the last trained layer, output projections aside
+        assert torch.equal(grow_draft(small, 1).layers[1].mlp.up_proj.weight, small.layers[0].mlp.up_proj.weight)
     with pytest.raises(ValueError, match="--add-draft-layers grows a trained drafter: pass .* --init-from"):
         main(train_argv(work, tmp_path / "none", "--max-steps", "1", "--add-draft-layers", "1"))
+
+
+def test_appended_layers_get_their_own_learning_rate():
+    from dflash_hf.training.config import TrainOptions
+    from dflash_hf.training.trainer import build_optimizer
+
+    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=50, block_size=4, target_layer_ids=[0, 1],
+                          mask_token_id=49)
+    grown = grow_draft(DFlashDraftModel(config), 1)
+    options = TrainOptions(mask_token_id=49, lr=1e-3, add_draft_layers=1, new_layers_lr_scale=10.0)
+    optimizer = build_optimizer(grown, options)
+    rate = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    decay = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    for name, param in grown.named_parameters():
+        assert rate[id(param)] == (1e-2 if name.startswith("layers.2.") else 1e-3), name
+        assert decay[id(param)] == (options.weight_decay if param.ndim >= 2 else 0.0), name
+    assert len(rate) == sum(1 for _ in grown.parameters())
 
 
 def test_warm_start_llama_target(tmp_path):

@@ -102,6 +102,8 @@ def _add_train_options(p):
     g.add_argument("--add-draft-layers", type=NON_NEGATIVE_INT, default=0,
                    help="with --init-from: append this many decoder layers, starting as the identity (zero output "
                    "projections), to train a deeper drafter from a trained one")
+    g.add_argument("--new-layers-lr-scale", type=NON_NEGATIVE, default=1.0,
+                   help="the learning rate of the layers --add-draft-layers appends, as a multiple of --lr")
     g.add_argument("--warm-start", action="store_true",
                    help="copy the target's top layers and final norm into the drafter; fc selects the last feature")
     g.add_argument("--attn-implementation", default="auto",

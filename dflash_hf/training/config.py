@@ -72,6 +72,7 @@ class TrainOptions:
     intermediate_size: int | None = None  # drafter MLP width (None: the target's)
     init_from: str | None = None  # start from this trained drafter folder (fresh optimizer and schedule)
     add_draft_layers: int = 0  # with init_from: append this many layers that start as the identity
+    new_layers_lr_scale: float = 1.0  # the appended layers' learning rate, as a multiple of lr
     warm_start: bool = False  # copy the target's top layers and final norm into the drafter
     attn_implementation: str = "auto"  # auto, block_sparse, flex_attention, sdpa or eager (training only)
     # blocks and loss

@@ -212,10 +212,12 @@ def build_draft(target, options: TrainOptions, layer_ids: list[int] | None) -> D
 
 
 def grow_draft(draft: DFlashDraftModel, extra_layers: int) -> DFlashDraftModel:
-    """``draft`` with ``extra_layers`` decoder layers appended after its own, computing the same function at first:
-    a new layer's attention and MLP outputs start at zero (``o_proj`` and ``down_proj``), so it adds nothing to the
-    residual stream until training moves them. A deeper drafter thus continues from a trained shallower one instead of
-    starting over; gradients reach the new layers' other weights once their output projections have moved."""
+    """``draft`` with ``extra_layers`` decoder layers appended after its own, computing the same function at first.
+    A new layer is a copy of the last trained one with its attention and MLP output projections (``o_proj``,
+    ``down_proj``) at zero: it adds nothing to the residual stream until training moves them, and what they then add
+    is built from trained attention and MLP features rather than random ones. A deeper drafter thus continues from a
+    trained shallower one instead of starting over (`build_optimizer` can give the new layers a larger step:
+    ``new_layers_lr_scale``)."""
     config = copy.deepcopy(draft.config)
     kinds = list(config.layer_types or ["full_attention"] * config.num_hidden_layers)
     config.layer_types = kinds + [kinds[-1]] * extra_layers
@@ -227,6 +229,7 @@ def grow_draft(draft: DFlashDraftModel, extra_layers: int) -> DFlashDraftModel:
         raise ValueError(f"cannot grow this drafter: unexpected {unexpected}, missing {missing}")
     with torch.no_grad():
         for layer in grown.layers[first_new:]:
+            layer.load_state_dict(draft.layers[-1].state_dict())
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     return grown
@@ -630,11 +633,18 @@ def load_draft(config: TrainConfig, target, dataset: ShardDataset, resume_dir: P
 
 
 def build_optimizer(draft: DFlashDraftModel, config: TrainOptions) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only."""
-    no_decay = [p for n, p in draft.named_parameters() if p.ndim < 2]
-    decay = [p for n, p in draft.named_parameters() if p.ndim >= 2]
+    """AdamW with weight decay on matrices only; layers appended by ``add_draft_layers`` (the last ones) step
+    ``new_layers_lr_scale`` times as far: grown from zero output projections, at the trained layers' rate they stayed
+    near the identity for a whole CPU run (run 19, docs/training.md)."""
+    first_new = draft.config.num_hidden_layers - config.add_draft_layers
+    groups = {}
+    for name, param in draft.named_parameters():
+        new = name.startswith("layers.") and int(name.split(".")[1]) >= first_new
+        groups.setdefault((param.ndim >= 2, new), []).append(param)
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": params, "weight_decay": config.weight_decay if decay else 0.0,
+          "lr": config.lr * (config.new_layers_lr_scale if new else 1.0)}
+         for (decay, new), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
         lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
     )
 

@@ -560,7 +560,7 @@ def test_trained_drafter_beats_untrained(work, tmp_path):
 
 def test_a_grown_drafter_starts_as_the_drafter_it_grew_from():
     """Appended layers add nothing to the residual stream at first, so the grown drafter's hidden states equal the
-    original's; it saves and loads with its new depth."""
+    original's."""
     torch.manual_seed(0)
     config = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=8, vocab_size=50, block_size=4, target_layer_ids=[0, 1],
@@ -573,12 +573,12 @@ def test_a_grown_drafter_starts_as_the_drafter_it_grew_from():
                   position_ids=torch.arange(11)[None])
     with torch.no_grad():
         torch.testing.assert_close(grown(**inputs).last_hidden_state, draft(**inputs).last_hidden_state)
-        for layer in grown.layers[2:]:  # not a copy of an old layer: only the output projections start at zero
+        for layer in grown.layers[2:]:  # the zeroed output projections are what keeps the function unchanged
             layer.self_attn.o_proj.weight.normal_()
         assert not torch.allclose(grown(**inputs).last_hidden_state, draft(**inputs).last_hidden_state)
 
 
-def test_training_grows_a_trained_drafter_and_refuses_to_grow_nothing(work, tmp_path, capsys):
+def test_training_grows_a_trained_drafter_and_refuses_to_grow_nothing(work, tmp_path):
     main(train_argv(work, tmp_path / "small", "--max-steps", "2", "--final-dtype", "float32"))
     main(train_argv(work, tmp_path / "deep", "--max-steps", "3", "--final-dtype", "float32",
                     "--init-from", str(tmp_path / "small" / "final"), "--add-draft-layers", "1"))

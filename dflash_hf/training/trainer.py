@@ -222,16 +222,13 @@ def grow_draft(draft: DFlashDraftModel, extra_layers: int) -> DFlashDraftModel:
     kinds = list(config.layer_types or ["full_attention"] * config.num_hidden_layers)
     config.layer_types = kinds + [kinds[-1]] * extra_layers
     config.num_hidden_layers += extra_layers
+    state = draft.state_dict()
+    for i in range(draft.config.num_hidden_layers, config.num_hidden_layers):
+        for name, value in draft.layers[-1].state_dict().items():
+            zeroed = name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            state[f"layers.{i}.{name}"] = torch.zeros_like(value) if zeroed else value
     grown = DFlashDraftModel(config).to(draft.dtype)
-    missing, unexpected = grown.load_state_dict(draft.state_dict(), strict=False)
-    first_new = draft.config.num_hidden_layers
-    if unexpected or any(not name.startswith("layers.") or int(name.split(".")[1]) < first_new for name in missing):
-        raise ValueError(f"cannot grow this drafter: unexpected {unexpected}, missing {missing}")
-    with torch.no_grad():
-        for layer in grown.layers[first_new:]:
-            layer.load_state_dict(draft.layers[-1].state_dict())
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+    grown.load_state_dict(state)  # strict: every weight of the grown drafter is set here
     return grown
 
 
@@ -637,14 +634,15 @@ def build_optimizer(draft: DFlashDraftModel, config: TrainOptions) -> torch.opti
     ``new_layers_lr_scale`` times as far: grown from zero output projections, at the trained layers' rate they stayed
     near the identity for a whole CPU run (run 19, docs/training.md)."""
     first_new = draft.config.num_hidden_layers - config.add_draft_layers
-    groups = {}
+    groups = {}  # (decayed, new layer) -> parameters
     for name, param in draft.named_parameters():
         new = name.startswith("layers.") and int(name.split(".")[1]) >= first_new
         groups.setdefault((param.ndim >= 2, new), []).append(param)
+    # Decayed group first, as before there were new layers: a resumed checkpoint's optimizer state matches by order.
+    order = [(True, False), (False, False), (True, True), (False, True)]
     return torch.optim.AdamW(
-        [{"params": params, "weight_decay": config.weight_decay if decay else 0.0,
-          "lr": config.lr * (config.new_layers_lr_scale if new else 1.0)}
-         for (decay, new), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
+        [{"params": groups[key], "weight_decay": config.weight_decay if key[0] else 0.0,
+          "lr": config.lr * (config.new_layers_lr_scale if key[1] else 1.0)} for key in order if key in groups],
         lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
     )
 

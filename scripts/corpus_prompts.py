@@ -37,6 +37,7 @@
 Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
 """
 
+import argparse
 import ast
 import importlib.util
 import itertools
@@ -195,6 +196,6 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python scripts/corpus_prompts.py OUT_DIR")
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("out_dir", type=Path, help="folder to write the prompt files into (created if missing)")
+    main(parser.parse_args().out_dir)

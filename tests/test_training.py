@@ -556,6 +556,32 @@ def test_trained_drafter_beats_untrained(work, tmp_path):
         acceptance(target, trained, [ids], block_size=8, max_new_tokens=32)
         assert measured["blocks"] == 1
         assert measured["tau"] == trained.last_stats.acceptance_lengths[0]
+        assert measured["tau_by_offset"] == {"0-127": {"tau": measured["tau"], "blocks": 1}}
+
+
+def test_teacher_forced_tau_splits_its_blocks_by_where_they_sit_in_the_answer():
+    """``tau_by_offset`` keys a block by its anchor's distance from the first response token: with one-token windows
+    and every valid anchor drawn, the keys are exactly the offsets 0 .. S - B - prompt length, and the windows pool
+    back to the overall tau."""
+    from dflash_hf.training.evaluate import teacher_forced_tau
+
+    torch.manual_seed(0)
+    config = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=50, block_size=4, target_layer_ids=[0, 1],
+                          mask_token_id=49)
+    draft = DFlashDraftModel(config).eval()
+    embed, head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50, bias=False)
+    prompt, length, block = 10, 40, 4
+    input_ids = torch.randint(0, 8, (length,))  # a small alphabet, so that some drafts match
+    sample = {"input_ids": input_ids, "loss_mask": (torch.arange(length) >= prompt).long(),
+              "features": torch.randn(length, 64)}
+    result = teacher_forced_tau(draft, embed, head, [sample], block, num_anchors=length, offset_window=1)
+    assert list(result["tau_by_offset"]) == [f"{k}-{k}" for k in range(length - block - prompt + 1)]
+    parts = result["tau_by_offset"].values()
+    assert sum(p["blocks"] for p in parts) == result["blocks"] == length - block - prompt + 1
+    assert sum(p["tau"] * p["blocks"] for p in parts) / result["blocks"] == pytest.approx(result["tau"])
+    wide = teacher_forced_tau(draft, embed, head, [sample], block, num_anchors=length, offset_window=8)
+    assert [p["blocks"] for p in wide["tau_by_offset"].values()] == [8, 8, 8, 3]
 
 
 def test_a_grown_drafter_starts_as_the_drafter_it_grew_from():

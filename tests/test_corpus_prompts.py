@@ -137,3 +137,17 @@ def test_the_question_subjects_leave_mt_bench_topics_out():
     for named in ("the pythagorean theorem", "probability", "recursion", "the renaissance", "earthquakes",
                   "photosynthesis", "antitrust laws", "machine learning", "the fibonacci sequence"):
         assert named not in subjects
+
+
+def test_gsm8k_train_questions_leave_out_the_default_prompt_and_test_questions(tmp_path):
+    from dflash_hf.cli import DEFAULT_PROMPT
+
+    rows = [{"question": DEFAULT_PROMPT, "answer": "#### 72", "idx": 0},
+            {"question": "A shop sells 3 pens for $2. How much do 12 pens cost?", "answer": "#### 8", "idx": 1},
+            {"question": "Janet has 5 ducks.", "answer": "#### 5", "idx": 2},
+            {"question": "Tom reads 4 pages a day. How many pages in a week?", "answer": "#### 28", "idx": 3}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    entries = corpus_prompts.gsm8k_train_questions(path, test_questions={"Janet has 5 ducks."})
+    assert entries == [{"id": "gsm8k-train/1", "turns": [rows[1]["question"]]},
+                       {"id": "gsm8k-train/3", "turns": [rows[3]["question"]]}]

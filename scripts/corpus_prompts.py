@@ -53,7 +53,6 @@ import itertools
 import json
 import random
 import re
-import sys
 import sysconfig
 from pathlib import Path
 

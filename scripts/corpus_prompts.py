@@ -209,11 +209,12 @@ def main(out: Path) -> None:
     write(out / "sharegpt_long.jsonl", sorted((e for e in entries if length(e) > 1200), key=length))
     rest = sharegpt[SHAREGPT_USED:]
     write(out / "code.jsonl", [e for e in rest if e["turns"][0].isascii() and CODE_WORDS.search(e["turns"][0])])
-    gsm8k = read("gsm8k.jsonl")[:1000]
+    test = read("gsm8k.jsonl")
+    gsm8k = test[:1000]
     assert gsm8k[-1]["id"] == "gsm8k/999", "prepare's gsm8k.jsonl is GSM8K test in order"
     write(out / "gsm8k.jsonl", gsm8k)
     write(out / "gsm8k_variants.jsonl", gsm8k_variants(gsm8k, copies=2))
-    test_questions = {q["turns"][0] for q in read("gsm8k.jsonl")}
+    test_questions = {q["turns"][0] for q in test}
     write(out / "gsm8k_train.jsonl", gsm8k_train_questions(source_root(GSM8K_TRAIN[0]) / GSM8K_TRAIN[1], test_questions))
     write(out / "ifbench.jsonl", read("ifbench.jsonl"))
     taken: set[str] = set()

@@ -493,6 +493,35 @@ def test_distill_shards_resume_and_bad_lines(work, capsys):
     assert rewritten["response_tokens"] == responses > 0
 
 
+def test_distill_on_two_processes_lists_every_shard_whichever_finishes_last(work, tmp_path, monkeypatch):
+    """With RANK/WORLD_SIZE each process writes every W-th shard and records it: the manifest of the process that
+    finished last lists all shards (process 0 alone used to write it, so shards finished after it were missing),
+    and a resume on both keeps both processes' `resumes` entries."""
+    out = tmp_path / "corpus"
+    argv = ["distill", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--out", str(out),
+            "--shard-size", "2", "--batch-size", "3", "--max-new-tokens", "40", "--target-layer-ids", LAYERS,
+            "--no-features"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def run(rank):
+        monkeypatch.setenv("RANK", str(rank))
+        return main(argv)
+
+    assert run(0)["written"] == [0, 2]
+    assert json.loads((out / "manifest.json").read_text())["finished_shards"] == [
+        "shard-00000.safetensors", "shard-00002.safetensors"]
+    assert run(1)["written"] == [1]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["finished_shards"] == [f"shard-{i:05d}.safetensors" for i in range(3)]
+    dataset = ShardDataset(out)
+    assert manifest["response_tokens"] == sum(int(dataset[i]["loss_mask"].sum()) for i in range(len(dataset))) > 0
+    for shard in ("shard-00000.safetensors", "shard-00001.safetensors"):
+        (out / shard).unlink()
+    assert run(1)["written"] == [1] and run(0)["written"] == [0]
+    resumes = json.loads((out / "manifest.json").read_text())["resumes"]
+    assert sorted(r["shards"][0] for r in resumes) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+
+
 def test_resume_gives_identical_state(work, tmp_path):
     straight = main(train_argv(work, tmp_path / "a", "--max-steps", "6", "--save-every", "0"))
     first = main(train_argv(work, tmp_path / "b", "--max-steps", "6", "--stop-after", "3"))

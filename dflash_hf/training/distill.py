@@ -130,24 +130,30 @@ def _write_manifest(out_dir: Path, info: dict, resumed_shards: list[str] | None 
     command its manifest names does not erase that record. A resume (``resumed_shards``: the shards this run wrote
     into a corpus that had a manifest) keeps the manifest's `RUN_FIELDS` too, and records its own values with its
     shards under ``resumes``, so that a corpus grown over several runs and machines says which run wrote which
-    shard (resuming used to overwrite the target folder and dtype of the whole corpus with its own)."""
+    shard (resuming used to overwrite the target folder and dtype of the whole corpus with its own).
+
+    Every process of a several-process run (``RANK``/``WORLD_SIZE``) calls this after each of its shards, under a lock
+    (``.manifest.json.lock``, beside it): the manifest then lists every finished shard whichever process finished last,
+    and no process's read-modify-write drops another's ``resumes`` entry."""
+    from filelock import FileLock  # huggingface_hub's dependency: always installed
     from safetensors import safe_open
 
     path = out_dir / "manifest.json"
-    kept = json.loads(path.read_text()) if path.exists() else {}
-    done = sorted(out_dir.glob("shard-*.safetensors"))
-    tokens = 0
-    for shard in done:
-        with safe_open(shard, "pt") as f:
-            tokens += int(f.get_tensor("loss_mask").sum())
-    fresh = {k: v for k, v in info.items() if not (resumed_shards is not None and k in RUN_FIELDS and k in kept)}
-    manifest = {**kept, **fresh, "finished_shards": [p.name for p in done], "response_tokens": tokens}
-    if resumed_shards:  # this run's entry, rewritten after each of its shards
-        entry = {"shards": resumed_shards, **{k: info[k] for k in RUN_FIELDS}}
-        earlier = [r for r in kept.get("resumes", []) if r.get("shards", [None])[0] != resumed_shards[0]]
-        manifest["resumes"] = earlier + [entry]
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(manifest, indent=2))
+    with FileLock(out_dir / ".manifest.json.lock"):
+        kept = json.loads(path.read_text()) if path.exists() else {}
+        done = sorted(out_dir.glob("shard-*.safetensors"))
+        tokens = 0
+        for shard in done:
+            with safe_open(shard, "pt") as f:
+                tokens += int(f.get_tensor("loss_mask").sum())
+        fresh = {k: v for k, v in info.items() if not (resumed_shards is not None and k in RUN_FIELDS and k in kept)}
+        manifest = {**kept, **fresh, "finished_shards": [p.name for p in done], "response_tokens": tokens}
+        if resumed_shards:  # this run's entry, rewritten after each of its shards
+            entry = {"shards": resumed_shards, **{k: info[k] for k in RUN_FIELDS}}
+            earlier = [r for r in kept.get("resumes", []) if r.get("shards", [None])[0] != resumed_shards[0]]
+            manifest["resumes"] = earlier + [entry]
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(manifest, indent=2))
 
 
 def distill(config: DistillConfig) -> dict:
@@ -231,11 +237,9 @@ def distill(config: DistillConfig) -> dict:
         written.append(shard)
         if resumed is not None:
             resumed.append(shard_path(out_dir, shard).name)
-        if rank == 0:
-            _write_manifest(out_dir, info, resumed)
-    bar.close()
-    if rank == 0:
         _write_manifest(out_dir, info, resumed)
+    bar.close()
+    _write_manifest(out_dir, info, resumed)
     return dict(written=written, skipped_shards=len(mine) - len(todo), problems=problems, new_tokens=tokens,
                 seconds=time.monotonic() - start)
 

@@ -80,15 +80,11 @@ if [ "$DISTILL_SECONDS" -gt 0 ]; then
     fi
   done
 fi
-MIX=$STAGE/mix
-rm -rf "$MIX"
-mkdir -p "$MIX"
-i=0
-for shard in "$DATA"/*/shard-*.safetensors; do
-  ln -s "$shard" "$MIX/$(printf 'shard-%05d.safetensors' "$i")"
-  i=$((i + 1))
+FOLDERS=()  # train reads several folders as one shuffled mix; a folder distill wrote nothing into is left out
+for folder in "$DATA"/*/; do
+  if compgen -G "$folder/shard-*.safetensors" >/dev/null; then FOLDERS+=("$folder"); fi
 done
-log "training data: $i shards"
+log "training data: $(find "$DATA" -name 'shard-*.safetensors' | wc -l) shards in ${#FOLDERS[@]} folders"
 
 # ---- train (FlexAttention first; if that fails, SDPA with the dense block mask and half the batch, for the time left)
 time_left() {  # seconds until the evaluation's share of TOTAL_SECONDS (30 s: start, loading, the final save)
@@ -97,7 +93,7 @@ time_left() {  # seconds until the evaluation's share of TOTAL_SECONDS (30 s: st
 }
 train_drafter() {  # train_drafter ATTN SECONDS (--schedule time: the seconds of the whole run, resumes included)
   log "training with $1 for $2 s of schedule"
-  "$PY" -m dflash_hf train --target "$TARGET" --data "$MIX" --output-dir "$STAGE/run" --mask-token-id "$MASK" \
+  "$PY" -m dflash_hf train --target "$TARGET" --data "${FOLDERS[@]}" --output-dir "$STAGE/run" --mask-token-id "$MASK" \
     --init-from "$INIT_FROM" --online-features --target-dtype "$DTYPE" $([ "$DTYPE" = bfloat16 ] && echo --bf16) \
     --attn-implementation "$1" --num-anchors "$ANCHORS" --batch-size "$BATCH" --lr "$LR" --gamma "$GAMMA" \
     --warmup-ratio 0.04 --train-vocab "$TRAIN_VOCAB" \

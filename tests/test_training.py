@@ -775,6 +775,45 @@ def test_sampled_answers_are_seeded_recorded_and_labelled_with_the_greedy_path(w
     assert torch.equal(counts, torch.bincount(labels, minlength=len(counts)))
 
 
+def test_train_reads_several_folders_as_one_mix(work, tmp_path):
+    """``train --data A B``: the sequences of every folder, each folder's shards in turn (a folder named twice counts
+    twice); shards whose features come from other target layers are refused, since one drafter reads one set."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shards = sorted((work / "data").glob("shard-*.safetensors"))
+    first, rest, other = tmp_path / "first", tmp_path / "rest", tmp_path / "other-layers"
+    for folder, chosen in ((first, shards[:1]), (rest, shards[1:])):
+        folder.mkdir()
+        for i, shard in enumerate(chosen):
+            shutil.copy(shard, folder / f"shard-{i:05d}.safetensors")
+    mixed, whole = ShardDataset([first, rest]), ShardDataset(work / "data")
+    assert len(mixed) == len(whole) and mixed.has_features and mixed.target_layer_ids == [0, 2]
+    for i in range(len(whole)):
+        assert torch.equal(mixed[i]["input_ids"], whole[i]["input_ids"])
+        assert torch.equal(mixed[i]["features"], whole[i]["features"])
+    twice = ShardDataset([first, first]).response_token_counts()
+    assert torch.equal(twice, 2 * ShardDataset(first).response_token_counts())
+
+    argv = train_argv(work, tmp_path / "run", "--max-steps", "2", "--train-vocab", "40")
+    at = argv.index("--data")
+    summary = main(argv[: at + 1] + [str(first), str(rest)] + argv[at + 2 :])
+    assert summary["step"] == 2 and summary["blocks"] > 0
+
+    other.mkdir()
+    with safe_open(str(shards[0]), framework="pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        meta = {**handle.metadata(), "target_layer_ids": "[0, 1]"}
+    save_file(tensors, other / "shard-00000.safetensors", metadata=meta)
+    with pytest.raises(ValueError, match=r"features of target layers \[0, 1\], the shards before it of \[0, 2\]"):
+        ShardDataset([first, other])
+    assert len(ShardDataset([first, other], load_features=False)) == 2 * len(ShardDataset(first))
+    with pytest.raises(FileNotFoundError, match="No shard-"):
+        ShardDataset([first, tmp_path / "empty"])
+
+
 def test_vocab_subset_head_keeps_the_loss_of_in_subset_labels():
     """Over a subset holding every label, the loss equals the full head's loss restricted to those logits; labels
     outside the subset carry no weight."""

@@ -170,7 +170,9 @@ def add_train_parser(subparsers):
     p = subparsers.add_parser("train", help="train a drafter on distilled shards", description="Train a DFlash drafter (random anchors, "
                               "block mask, decayed CE) against a frozen target. See docs/training.md.")
     _add_common(p)
-    p.add_argument("--data", required=True, help="folder of shard-*.safetensors from `dflash-hf distill`")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="folders of shard-*.safetensors from `dflash-hf distill` (or `features`), trained on as one "
+                   "shuffled mix; a folder named twice counts twice")
     p.add_argument("--output-dir", required=True, help="run folder: checkpoints/, latest, final/, log.jsonl")
     p.add_argument("--resume", default=None,
                    help="'auto' (OUT/latest if any), a run folder or a checkpoint folder")
@@ -282,18 +284,13 @@ def run_eval(args):
 
 
 def run_draft_vocab(args):
-    import torch
-
     from ..hub import set_draft_vocab
     from .data import ShardDataset, most_frequent
 
     if args.clear:
         print(f"{set_draft_vocab(args.draft, None)}: no draft vocabulary (drafts over the full vocabulary)")
         return None
-    counts = [ShardDataset(folder, load_features=False).response_token_counts() for folder in args.data]
-    total = torch.zeros(max(len(c) for c in counts), dtype=torch.long)
-    for c in counts:
-        total[: len(c)] += c
+    total = ShardDataset(args.data, load_features=False).response_token_counts()
     ids, coverage = most_frequent(total, args.size)
     path = set_draft_vocab(args.draft, ids.tolist())
     print(f"{path}: draft vocabulary of {len(ids)} tokens, {100 * coverage:.2f}% of the {int(total.sum()):,} "

@@ -116,7 +116,7 @@ class TrainOptions:
 class TrainConfig(RunConfig, TrainOptions):
     """``dflash-hf train``: a drafter trained on the shards in ``data``, run folder ``output_dir``."""
 
-    data: str  # folder of shard-*.safetensors from `dflash-hf distill`
+    data: str | list[str]  # folder(s) of shard-*.safetensors from `dflash-hf distill`: one shuffled mix
     output_dir: str  # run folder: checkpoints/, latest, final/, log.jsonl
     resume: str | None = None  # 'auto' (OUT/latest if any), a run folder or a checkpoint folder
 

@@ -128,7 +128,9 @@ def write_shard(path, sequences: list[dict], ids: list[str], target_layer_ids: l
 
 
 class ShardDataset(torch.utils.data.Dataset):
-    """Sequences of every ``shard-*.safetensors`` under ``directory``, read lazily (features sliced per sequence).
+    """Sequences of every ``shard-*.safetensors`` under ``directory`` (a folder, or several: each folder's shards in
+    turn, and a folder named twice counts twice, as a mix that lists its shards twice), read lazily (features sliced
+    per sequence). Shards whose features come from different target layers are refused: one drafter reads one set.
 
     ``item -> {"input_ids": long [T], "loss_mask": float [T], "next_ids": long [T], "features": bf16 [T, F*H] or
     absent}``, truncated to ``max_length``. ``next_ids`` are the shard's stored target predictions; a shard without
@@ -137,14 +139,19 @@ class ShardDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, directory, max_length: int | None = None, load_features: bool = True):
-        self.paths = sorted(Path(directory).glob("shard-*.safetensors"))
-        if not self.paths:
-            raise FileNotFoundError(f"No shard-*.safetensors under {directory}: run `dflash-hf distill` first.")
+        folders = [directory] if isinstance(directory, (str, Path)) else list(directory)
+        self.paths = []
+        for folder in folders:
+            shards = sorted(Path(folder).glob("shard-*.safetensors"))
+            if not shards:
+                raise FileNotFoundError(f"No shard-*.safetensors under {folder}: run `dflash-hf distill` first.")
+            self.paths += shards
         self.max_length = max_length
         self.index: list[tuple[int, int, int]] = []  # (shard, start, end)
         self.has_features = load_features
         self.target_layer_ids = None
         self._tokens: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        feature_layers = None  # the layers of the feature shards read so far
         for shard, path in enumerate(self.paths):
             with safe_open(str(path), framework="pt") as handle:
                 offsets = handle.get_tensor("offsets").tolist()
@@ -152,8 +159,14 @@ class ShardDataset(torch.utils.data.Dataset):
                 self._tokens[shard] = (handle.get_tensor("input_ids"), handle.get_tensor("loss_mask"), stored)
                 self.has_features = self.has_features and "features" in handle.keys()
                 meta = handle.metadata() or {}
-                if meta.get("target_layer_ids"):
-                    self.target_layer_ids = json.loads(meta["target_layer_ids"])
+                ids = json.loads(meta.get("target_layer_ids") or "null")
+                if load_features and "features" in handle.keys():
+                    if feature_layers not in (None, ids):
+                        raise ValueError(f"{path} holds features of target layers {ids}, the shards before it of "
+                                         f"{feature_layers}: train on one set of layers (rerun `dflash-hf features "
+                                         "--target-layer-ids` on one folder) or pass --online-features.")
+                    feature_layers = ids
+                self.target_layer_ids = ids or self.target_layer_ids
             self.index.extend((shard, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1))
 
     def __len__(self) -> int:

@@ -124,6 +124,19 @@ def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[i
 RUN_FIELDS = ("target", "dtype", "draft", "max_new_tokens", "temperature", "seed")
 
 
+def _manifest_lock(out_dir: Path):
+    """A lock for ``out_dir``'s manifest, kept in the system's temporary folder (named by the folder's resolved path)
+    so that the corpus folder holds shards and manifest only. It serializes the processes of one machine, which is
+    how ``RANK``/``WORLD_SIZE`` runs are launched here; a lock file itself would be left behind in the folder."""
+    import hashlib
+    import tempfile
+
+    from filelock import FileLock  # huggingface_hub's dependency: always installed
+
+    key = hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:16]
+    return FileLock(Path(tempfile.gettempdir()) / f"dflash-hf-manifest-{key}.lock")
+
+
 def _write_manifest(out_dir: Path, info: dict, resumed_shards: list[str] | None = None) -> None:
     """Write ``manifest.json``: ``info``, the finished shards and their response tokens. Keys that a person added to
     an existing manifest (how the corpus was made, notes) are kept, so that resuming a committed corpus with the
@@ -133,13 +146,12 @@ def _write_manifest(out_dir: Path, info: dict, resumed_shards: list[str] | None 
     shard (resuming used to overwrite the target folder and dtype of the whole corpus with its own).
 
     Every process of a several-process run (``RANK``/``WORLD_SIZE``) calls this after each of its shards, under a lock
-    (``.manifest.json.lock``, beside it): the manifest then lists every finished shard whichever process finished last,
-    and no process's read-modify-write drops another's ``resumes`` entry."""
-    from filelock import FileLock  # huggingface_hub's dependency: always installed
+    (`_manifest_lock`): the manifest then lists every finished shard whichever process finished last, and no
+    process's read-modify-write drops another's ``resumes`` entry."""
     from safetensors import safe_open
 
     path = out_dir / "manifest.json"
-    with FileLock(out_dir / ".manifest.json.lock"):
+    with _manifest_lock(out_dir):
         kept = json.loads(path.read_text()) if path.exists() else {}
         done = sorted(out_dir.glob("shard-*.safetensors"))
         tokens = 0

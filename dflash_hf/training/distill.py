@@ -251,7 +251,8 @@ def distill(config: DistillConfig) -> dict:
             resumed.append(shard_path(out_dir, shard).name)
         _write_manifest(out_dir, info, resumed)
     bar.close()
-    _write_manifest(out_dir, info, resumed)
+    if not written:  # a process with nothing to do still leaves a manifest (each written shard already updated it)
+        _write_manifest(out_dir, info, resumed)
     return dict(written=written, skipped_shards=len(mine) - len(todo), problems=problems, new_tokens=tokens,
                 seconds=time.monotonic() - start)
 

@@ -17,6 +17,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def label_runs(ax, blocks: list[float], runs: list[dict]) -> None:
+    """Name the runs on a top axis, upright. Newest first: a run closer than 2 % of the axis to a named one stays
+    unnamed (early runs came a few hundred thousand blocks apart, and their names would print over each other)."""
+    left, right = ax.get_xlim()
+    spacing = 0.02 * (right - left)
+    named: dict[float, str] = {}
+    for x, run in reversed(list(zip(blocks, runs))):
+        if all(abs(x - other) >= spacing for other in named):
+            named[x] = run["name"].split(":")[0]
+    top = ax.secondary_xaxis("top")
+    top.set_xticks(list(named), list(named.values()), rotation=90, fontsize=7)
+
+
 def main(table: str, out: str) -> None:
     runs = json.load(open(table))["runs"]
     blocks = [run["blocks"] / 1000 for run in runs]
@@ -29,10 +42,8 @@ def main(table: str, out: str) -> None:
                     if dataset in run["tau"] and run.get("branch")]
         if branches:
             ax.plot(*zip(*branches), marker="x", linestyle="none", color=line.get_color(), markersize=8)
-    ax.margins(x=0.08)  # room for the last run's label
-    for x, run in zip(blocks, runs):
-        ax.annotate(run["name"].split(":")[0], (x, ax.get_ylim()[0]), textcoords="offset points", xytext=(2, 4),
-                    fontsize=8)
+    ax.margins(x=0.08)
+    label_runs(ax, blocks, runs)
     ax.set_xlabel("training blocks seen (thousands)")
     ax.set_ylabel("tau at B = 16 (tokens per round)")
     ax.set_title("SmolLM2-135M-Instruct drafter across training runs")

@@ -32,5 +32,5 @@ def test_a_run_crowding_a_newer_one_stays_unnamed():
 
 
 def test_a_later_run_placed_before_an_earlier_one_is_still_named():
-    # a branch run far to the right must not hide the runs listed after it (the old labels skipped those)
+    # a branch run far to the right must not hide the runs listed after it
     assert _top_axis_names([10, 95, 30, 40]) == {"run 1": 10, "run 2": 95, "run 3": 30, "run 4": 40}

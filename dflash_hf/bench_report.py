@@ -139,13 +139,21 @@ def _fmt(value, spec=".2f", suffix=""):
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
+def isa_text(machine: dict) -> str:
+    """", AVX2, bf16 emulated" / ", AVX512, native bf16 (a CPU with AMX)"; empty for runs recorded before both were."""
+    if "isa" not in machine:
+        return ""
+    bf16 = f"native bf16 ({machine['native_bf16']})" if machine.get("native_bf16") else "bf16 emulated"
+    return f", {machine['isa']}, {bf16}"
+
+
 def render_markdown(result: dict) -> str:
     """The summary table, the r(k) curve and the machine line as Markdown."""
     machine, config = result["machine"], result["config"]
     lines = [
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['torch_threads']} torch thread(s), "
-        f"{machine['dtype']}, torch {machine['torch']}, transformers {machine['transformers']}, "
-        f"load average {machine['loadavg']}.",
+        f"Machine: {machine['cpu']}{isa_text(machine)}, {machine['cores']} cores, "
+        f"{machine['torch_threads']} torch thread(s), {machine['dtype']}, torch {machine['torch']}, "
+        f"transformers {machine['transformers']}, load average {machine['loadavg']}.",
         f"Run: {config.get('target')}, drafter {config.get('drafter')}"
         + "".join(f", dflash@{name} = {path}" for name, path in (config.get("compare_drafters") or {}).items())
         + f", max_new_tokens {config['max_new_tokens']}, {config['repeats']} repeat(s), "

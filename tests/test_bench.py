@@ -13,13 +13,15 @@ from dflash_hf.bench import (
     Method,
     PhaseProfiler,
     build_methods,
+    cpu_name,
     first_difference,
+    machine_info,
     measure_verify_curve,
     run_once,
     run_suite,
 )
 from dflash_hf.bench_cli import add_bench_parser, run_bench
-from dflash_hf.bench_report import interpolate_r, render_markdown, write_report
+from dflash_hf.bench_report import interpolate_r, isa_text, render_markdown, write_report
 
 BLOCK, NEW = 4, 16
 
@@ -413,3 +415,17 @@ def test_batch_benchmark_locates_where_a_row_parted_and_asks_if_it_was_a_near_ti
     assert (parting["prompt_id"], parting["position"], parting["group"]) == ("0", 5, 0)
     assert parting["near_tie"] is False and parting["gap"] > 0  # a token the target does not rank first
     assert "0 @ 5 (gap" in batch_report(result) and "NOT a near-tie" in batch_report(result)
+
+
+def test_machine_line_names_the_cpu_family_and_its_vector_unit(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
+                       "model name\t: AMD EPYC\nflags\t\t: fpu avx2\n\nprocessor\t: 1\ncpu family\t: 99\n")
+    assert cpu_name(str(cpuinfo)) == "AMD EPYC (family 23 model 1)"  # the first processor's, not the last's
+    machine = {"cpu": "AMD EPYC (family 23 model 1)", "isa": "AVX2", "native_bf16": None}
+    assert isa_text(machine) == ", AVX2, bf16 emulated"
+    amx = dict(machine, isa="AVX512", native_bf16="a CPU with AMX")
+    assert isa_text(amx) == ", AVX512, native bf16 (a CPU with AMX)"
+    assert isa_text({"cpu": "AMD EPYC"}) == ""  # a run recorded before the field existed still renders
+    recorded = machine_info(torch.float32)
+    assert recorded["isa"] == torch.backends.cpu.get_cpu_capability() and "native_bf16" in recorded

@@ -79,6 +79,10 @@ def test_auto_dtype_follows_native_bf16(monkeypatch):
     assert loading.resolve_dtype("auto")[0] == "bfloat16"
     monkeypatch.setattr(loading, "native_bf16", lambda: None)
     assert loading.resolve_dtype("auto") == ("float32", loading.resolve_dtype("auto")[1])
+    assert loading.resolve_dtype("float32") == ("float32", "asked for")
+    dtype, why = loading.resolve_dtype("bfloat16")  # honoured, with the reason it will be slow
+    assert dtype == "bfloat16" and "emulated, float32 is faster" in why
+    monkeypatch.setattr(loading, "native_bf16", lambda: "a CPU with AMX")
     assert loading.resolve_dtype("bfloat16") == ("bfloat16", "asked for")
 
 

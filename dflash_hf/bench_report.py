@@ -140,7 +140,8 @@ def _fmt(value, spec=".2f", suffix=""):
 
 
 def isa_text(machine: dict) -> str:
-    """", AVX2, bf16 emulated" / ", AVX512, native bf16 (a CPU with AMX)"; empty for runs recorded before both were."""
+    """The machine line's vector unit and bf16, e.g. ``, AVX2, bf16 emulated`` or ``, AVX512, native bf16 (a CPU
+    with AMX)``; empty for a run recorded before the bench kept them."""
     if "isa" not in machine:
         return ""
     bf16 = f"native bf16 ({machine['native_bf16']})" if machine.get("native_bf16") else "bf16 emulated"

@@ -29,7 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .bench_report import parting_text
 from .generation_dflash import DFlashCandidateGenerator, DFlashDrafterMixin, sampling_options
-from .loading import native_bf16
+from .loading import cpu_name, native_bf16
 
 # dflash_nolookup: dflash without prompt lookup next to the drafter (the drafter alone, adaptive block size)
 ALL_METHODS = ("greedy", "pld3", "pld10", "dflash", "dflash_nolookup", "dflash_builtin", "oracle")
@@ -676,22 +676,6 @@ def batch_report(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The first processor's model name in ``cpuinfo`` with its family and model numbers, e.g. ``AMD EPYC (family
-    23 model 1)``; ``platform.processor()`` where there is no such file."""
-    try:
-        with open(cpuinfo) as f:
-            first = f.read().split("\n\n")[0]
-    except OSError:
-        return platform.processor()
-    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
-    name = fields.get("model name", platform.processor())
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']} model {fields['model']})"
-    return name
-
-
 def machine_info(dtype) -> dict:
     """CPU model, cores, torch threads, dtype, library versions and the load average (1/5/15 min)."""
     import transformers
@@ -703,8 +687,7 @@ def machine_info(dtype) -> dict:
         load = None
     return {
         "cpu": cpu,
-        # The model name alone ("AMD EPYC") does not tell a Zen 1 from a Zen 5: what decides the speed is the
-        # vector unit torch dispatches to and whether bf16 is native.
+        # what decides a CPU's speed here: the vector unit torch dispatches to and whether bf16 is native
         "isa": torch.backends.cpu.get_cpu_capability(),
         "native_bf16": native_bf16("cpu"),
         "cores": os.cpu_count(),

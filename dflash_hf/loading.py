@@ -1,6 +1,7 @@
 """Loading a target and a drafter for the command lines (generate, bench, distill, train, eval), with errors that
 say what is wrong and how to fix it."""
 
+import platform
 from pathlib import Path
 
 import torch
@@ -33,25 +34,47 @@ def native_bf16(device_type: str | None = None) -> str | None:
     return None
 
 
-def cpu_flags() -> list[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+def cpu_fields(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first processor's fields in ``cpuinfo`` (``"model name"``, ``"cpu family"``, ``"flags"`` ...); empty where
+    there is no such file."""
     try:
-        return next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+        with open(cpuinfo) as f:
+            first = f.read().split("\n\n")[0]
     except OSError:
-        return []
+        return {}
+    return {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in first.splitlines()
+                                                          if ":" in line)}
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (empty where there is no ``/proc/cpuinfo``)."""
+    return cpu_fields().get("flags", "").split()
+
+
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The model name with its family and model numbers, e.g. ``AMD EPYC (family 23 model 1)``: the name alone
+    does not tell a Zen 1 from a Zen 5. ``platform.processor()`` where there is no ``cpuinfo``."""
+    fields = cpu_fields(cpuinfo)
+    name = fields.get("model name") or platform.processor()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
+
+
+NO_NATIVE_BF16 = "this CPU has no native bf16 (no AMX / AVX-512 BF16)"
 
 
 def resolve_dtype(choice: str = "auto") -> tuple[str, str]:
-    """``auto``: bfloat16 where the machine computes it natively, float32 elsewhere; returns (dtype, why)."""
-    native = native_bf16()
-    if choice == "bfloat16" and not native:
-        # Said at once: emulated bf16 decodes ~3x slower than float32 (an AVX2 EPYC: 2.3-4.4 against ~10 tok/s).
-        return choice, "asked for; this CPU has no native bf16 (no AMX / AVX-512 BF16): emulated, float32 is faster"
-    if choice != "auto":
+    """``auto``: bfloat16 where the machine computes it natively, float32 elsewhere; returns (dtype, why). bf16
+    asked for on a CPU that emulates it is honoured, and the reason says it will be slow."""
+    if choice not in ("auto", "bfloat16"):
         return choice, "asked for"
+    native = native_bf16()
+    if choice == "bfloat16":
+        return choice, "asked for" if native else f"asked for; {NO_NATIVE_BF16}: emulated, float32 is faster"
     if native:
         return "bfloat16", f"auto: {native} computes bf16 natively"
-    return "float32", "auto: this CPU has no native bf16 (no AMX / AVX-512 BF16), where float32 is faster"
+    return "float32", f"auto: {NO_NATIVE_BF16}, where float32 is faster"
 
 
 def load_target(spec: str | None = "default", dtype: str = "float32", device: str = "cpu"):

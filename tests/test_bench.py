@@ -13,7 +13,6 @@ from dflash_hf.bench import (
     Method,
     PhaseProfiler,
     build_methods,
-    cpu_name,
     first_difference,
     machine_info,
     measure_verify_curve,
@@ -22,6 +21,7 @@ from dflash_hf.bench import (
 )
 from dflash_hf.bench_cli import add_bench_parser, run_bench
 from dflash_hf.bench_report import interpolate_r, isa_text, render_markdown, write_report
+from dflash_hf.loading import cpu_name
 
 BLOCK, NEW = 4, 16
 

@@ -389,6 +389,15 @@ def _any(flag: bool, world: int, device) -> bool:
     return bool(tensor.item())
 
 
+def _summed(value: int, world: int, device) -> int:
+    """``value`` summed over the processes (each counts only the blocks it trained on)."""
+    if world == 1:
+        return value
+    tensor = torch.tensor([value], device=device, dtype=torch.int64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return int(tensor.item())
+
+
 def epoch_order(num: int, epoch: int, seed: int, rank: int, world: int) -> list[int]:
     """This rank's sample order for ``epoch``: one shared shuffle, truncated to a multiple of ``world``, strided."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
@@ -758,10 +767,10 @@ def finish_training(run: TrainingRun, start: float, stopped_by_budget: bool, blo
         if run.log_path.exists():
             plot_curves(run.log_path, run.out_dir / "curves.png")
         save_final(run.draft, final_dir, dtype=run.config.final_dtype, max_shard_size=run.config.final_max_shard_size)
-    _barrier(run.world)
+    blocks = _summed(blocks, run.world, run.device)
     seconds = time.monotonic() - start
     summary = {"step": run.step, "total_steps": run.total_steps, "stopped_by_budget": stopped_by_budget,
-               "blocks": blocks * run.world, "seconds": seconds, "blocks_per_s": blocks * run.world / seconds,
+               "blocks": blocks, "seconds": seconds, "blocks_per_s": blocks / seconds,
                "final": str(final_dir)}
     if run.rank == 0:
         (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -4,7 +4,6 @@ import dataclasses
 import math
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -710,11 +709,6 @@ def test_torchrun_two_processes_gloo(work, tmp_path):
     assert (ckpt / "rng-rank0.pt").exists() and (ckpt / "rng-rank1.pt").exists()
     assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["world_size"] == 2
     assert (out / "final" / "model.safetensors").exists()
-    # each process counts the blocks it trained on; both print the summed count (their lines may share a line of
-    # the pipe), and rank 0 writes it
-    printed = [int(n) for n in re.findall(r'"blocks": (\d+)', result.stdout)]
-    written = json.loads((out / "summary.json").read_text())
-    assert len(printed) == 2 and printed[0] == printed[1] == written["blocks"] > 0
 
 
 def test_features_stage_adds_what_distill_stores(work, tmp_path, monkeypatch):

@@ -381,17 +381,12 @@ def _barrier(world: int):
         torch.distributed.barrier()
 
 
-def _all_reduced(value: int, world: int, device, op) -> int:
-    """``value`` reduced over the processes with ``op`` (a ``torch.distributed.ReduceOp``)."""
-    if world == 1:
-        return value
-    tensor = torch.tensor([value], device=device, dtype=torch.int64)
-    torch.distributed.all_reduce(tensor, op=op)
-    return int(tensor.item())
-
-
 def _any(flag: bool, world: int, device) -> bool:
-    return bool(_all_reduced(int(flag), world, device, torch.distributed.ReduceOp.MAX))
+    if world == 1:
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return bool(tensor.item())
 
 
 def epoch_order(num: int, epoch: int, seed: int, rank: int, world: int) -> list[int]:
@@ -763,10 +758,10 @@ def finish_training(run: TrainingRun, start: float, stopped_by_budget: bool, blo
         if run.log_path.exists():
             plot_curves(run.log_path, run.out_dir / "curves.png")
         save_final(run.draft, final_dir, dtype=run.config.final_dtype, max_shard_size=run.config.final_max_shard_size)
-    blocks = _all_reduced(blocks, run.world, run.device, torch.distributed.ReduceOp.SUM)  # each counted its own
+    _barrier(run.world)
     seconds = time.monotonic() - start
     summary = {"step": run.step, "total_steps": run.total_steps, "stopped_by_budget": stopped_by_budget,
-               "blocks": blocks, "seconds": seconds, "blocks_per_s": blocks / seconds,
+               "blocks": blocks * run.world, "seconds": seconds, "blocks_per_s": blocks * run.world / seconds,
                "final": str(final_dir)}
     if run.rank == 0:
         (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

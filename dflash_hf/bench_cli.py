@@ -6,7 +6,7 @@ import time
 from .arguments import COUNT, NON_NEGATIVE
 from .bench import ALL_METHODS
 from .errors import DFlashUserError
-from .loading import load_drafter, load_target
+from .loading import load_drafter, load_target, resolve_dtype
 
 DATASETS = ("gsm8k@1000", "humaneval", "mtbench")  # GSM8K 0-999 trained the shipped drafter
 QUICK = {"num_prompts": 2, "max_new_tokens": 32, "repeats": 1, "verify_repeats": 3, "context_len": 128}
@@ -38,7 +38,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated (default: %(default)s)")
     p.add_argument("--temperature", type=NON_NEGATIVE, default=0.0,
                    help="0 = greedy (default); > 0 samples every method (the oracle is then skipped)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="target and drafter dtype")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="float32",
+                   help="target and drafter dtype; auto = bfloat16 where the machine computes it natively, else "
+                   "float32 (what `generate` and the demo take by default)")
     p.add_argument("--threads", type=COUNT, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, not chat messages")
     p.add_argument("--context-len", type=COUNT, default=256, help="cached context for r(k) (default: %(default)s)")
@@ -68,6 +70,8 @@ def run_bench(args) -> None:
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
+    args.dtype, why = resolve_dtype(args.dtype)
+    print(f"dtype: {args.dtype} ({why})")
     target, tokenizer = load_target(args.target, args.dtype)
     target_name = args.target or "default"
     methods = [m for m in args.methods.split(",") if m]

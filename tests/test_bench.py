@@ -229,18 +229,21 @@ def test_bench_parser_defaults_and_options():
 def test_bench_dtype_auto_is_resolved_before_the_target_loads(monkeypatch, capsys):
     from dflash_hf import bench_cli, loading
 
+    class Loaded(Exception):  # stops the bench before any model work: only the resolved dtype is under test
+        pass
+
     asked = []
 
     def load_target(spec, dtype):
         asked.append(dtype)
-        raise KeyboardInterrupt  # stop before any model work: only the resolved dtype is under test
+        raise Loaded
 
     monkeypatch.setattr(bench_cli, "load_target", load_target)
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
     for native, expected in ((None, "float32"), ("a CPU with AVX-512 BF16", "bfloat16")):
         monkeypatch.setattr(loading, "native_bf16", lambda native=native: native)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(Loaded):
             run_bench(parser.parse_args(["bench", "--dtype", "auto", "--methods", "greedy"]))
         assert asked[-1] == expected and f"dtype: {expected} (auto: " in capsys.readouterr().out
     assert parser.parse_args(["bench"]).dtype == "float32"  # the protocol's default is unchanged

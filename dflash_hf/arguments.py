@@ -24,3 +24,11 @@ def at_least(minimum, kind=int):
 COUNT = at_least(1)  # sizes, lengths, steps, repeats
 NON_NEGATIVE_INT = at_least(0)  # ids, "0 = off" switches
 NON_NEGATIVE = at_least(0.0, float)  # temperatures, rates, seconds, norms
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser, default: str, what: str) -> None:
+    """``--dtype auto|float32|bfloat16`` for commands that run a target; ``auto`` is resolved by
+    `dflash_hf.loading.resolve_dtype` (bf16 where the CPU computes it natively, else float32)."""
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=default,
+                        help=f"{what}; auto = bfloat16 where the machine computes it natively, else float32 "
+                        "(default: %(default)s)")

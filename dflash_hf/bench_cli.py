@@ -3,7 +3,7 @@
 import argparse
 import time
 
-from .arguments import COUNT, NON_NEGATIVE
+from .arguments import COUNT, NON_NEGATIVE, add_dtype_argument
 from .bench import ALL_METHODS
 from .errors import DFlashUserError
 from .loading import load_drafter, load_target, resolve_dtype
@@ -38,9 +38,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated (default: %(default)s)")
     p.add_argument("--temperature", type=NON_NEGATIVE, default=0.0,
                    help="0 = greedy (default); > 0 samples every method (the oracle is then skipped)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="float32",
-                   help="target and drafter dtype; auto = bfloat16 where the machine computes it natively, else "
-                   "float32 (what `generate` and the demo take by default)")
+    add_dtype_argument(p, "float32", "target and drafter dtype")
     p.add_argument("--threads", type=COUNT, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--no-chat", action="store_true", help="encode prompts as plain text, not chat messages")
     p.add_argument("--context-len", type=COUNT, default=256, help="cached context for r(k) (default: %(default)s)")

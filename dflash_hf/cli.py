@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .arguments import add_dtype_argument
 from .errors import DFlashUserError
 
 
@@ -59,8 +60,7 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples at this temperature (no top-k / top-p)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="dtype of the target; auto = bfloat16 where the machine computes it natively, else float32")
+    add_dtype_argument(p, "auto", "dtype of the target")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
     p.add_argument("--compare", action="store_true",
                    help="also run plain decoding: warm-up, interleaved timed runs, medians, token comparison")

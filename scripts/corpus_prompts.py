@@ -41,7 +41,11 @@
 * ``questions.jsonl``: the same composition from ``question_requests.json``: knowledge questions, explanations,
   tutoring, role-play and formatted answers (JSON, a table, bullet points) on STEM, humanities and social subjects
   (``corpora/*/questions``), the kinds of request chat users make that neither ShareGPT's short turns nor the writing
-  requests cover well. The subjects of MT-Bench's STEM and humanities questions are left out.
+  requests cover well. The subjects of MT-Bench's STEM and humanities questions are left out;
+* ``tasks.jsonl``: the same composition from ``task_requests.json``: requests that ask for several things at once
+  (an outline with subheadings, a letter that answers objections, one text in three tones) or for a role to be played
+  (a tour guide, a detective, a curator), the multi-part kind where the other files are thinnest
+  (``corpora/*/tasks``).
 
 Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
 """
@@ -169,6 +173,7 @@ def gsm8k_train_questions(path: Path, test_questions: set[str]) -> list[dict]:
 
 WRITING_PARTS = Path(__file__).with_name("writing_requests.json")
 QUESTION_PARTS = Path(__file__).with_name("question_requests.json")
+TASK_PARTS = Path(__file__).with_name("task_requests.json")
 
 
 def composed_requests(parts: dict, kind: str, seed: int = 0) -> list[dict]:
@@ -223,6 +228,7 @@ def main(out: Path) -> None:
     write(out / "code_completion_extra.jsonl", code_completion_prompts(EXTRA_COMPLETION_SOURCES, taken))
     write(out / "writing.jsonl", composed_requests(json.loads(WRITING_PARTS.read_text()), "writing"))
     write(out / "questions.jsonl", composed_requests(json.loads(QUESTION_PARTS.read_text()), "questions"))
+    write(out / "tasks.jsonl", composed_requests(json.loads(TASK_PARTS.read_text()), "tasks"))
 
 
 if __name__ == "__main__":

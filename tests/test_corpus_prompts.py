@@ -118,12 +118,13 @@ def test_composed_requests_pair_every_form_with_every_subject_once_in_a_seeded_o
     assert corpus_prompts.composed_requests(parts, "writing", seed=1) != requests
 
 
-@pytest.mark.parametrize("kind", ["writing", "questions"])
+@pytest.mark.parametrize("kind", ["writing", "questions", "tasks"])
 def test_the_shipped_parts_compose_thousands_of_distinct_requests(kind):
-    parts_file = {"writing": corpus_prompts.WRITING_PARTS, "questions": corpus_prompts.QUESTION_PARTS}[kind]
+    parts_file = {"writing": corpus_prompts.WRITING_PARTS, "questions": corpus_prompts.QUESTION_PARTS,
+                  "tasks": corpus_prompts.TASK_PARTS}[kind]
     requests = corpus_prompts.composed_requests(json.loads(parts_file.read_text()), kind)
     texts = [r["turns"][0] for r in requests]
-    assert len(texts) == len(set(texts)) > 4000
+    assert len(texts) == len(set(texts)) >= 4000
     assert not any("{" in t for t in texts)  # every placeholder filled
     assert all(r["id"].startswith(f"{kind}/") for r in requests)
     forms = {r["id"].split("/")[1].split("-")[0] for r in requests[:200]}
@@ -137,6 +138,17 @@ def test_the_question_subjects_leave_mt_bench_topics_out():
     for named in ("the pythagorean theorem", "probability", "recursion", "the renaissance", "earthquakes",
                   "photosynthesis", "antitrust laws", "machine learning", "the fibonacci sequence"):
         assert named not in subjects
+
+
+def test_the_task_requests_leave_mt_bench_writing_and_roleplay_topics_out():
+    """The multi-part task requests are MT-Bench's kind (writing and role-play), so none of the topics or roles its
+    first turns name may appear in a form or a subject: they would put held-out answers in the corpus."""
+    parts = json.loads(corpus_prompts.TASK_PARTS.read_text())
+    text = " ".join(parts["forms"] + parts["subjects"]).lower()
+    for named in ("hawaii", "smartphone", "marketplace", "abandoned house", "time travel", "bio-energy", "mars",
+                  "elon musk", "sheldon", "iron man", "doctor", "relationship coach", "translator", "machine learning",
+                  "math teacher", "square root", "deforest", "quarterly", "introverted", "guest speaker"):
+        assert named not in text, named
 
 
 def test_gsm8k_train_questions_leave_out_the_default_prompt_and_test_questions(tmp_path):

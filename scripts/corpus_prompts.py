@@ -45,7 +45,10 @@
 * ``tasks.jsonl``: the same composition from ``task_requests.json``: requests that ask for several things at once
   (an outline with subheadings, a letter that answers objections, one text in three tones) or for a role to be played
   (a tour guide, a detective, a curator), the multi-part kind where the other files are thinnest
-  (``corpora/*/tasks``).
+  (``corpora/*/tasks``);
+* ``roleplay.jsonl``: the same composition from ``roleplay_requests.json``: a persona (a lighthouse keeper, a
+  clockmaker, a ferry captain) asked about their work in character, the role-play kind that ``tasks.jsonl`` moved
+  least (``corpora/*/roleplay``). MT-Bench's own roles are left out.
 
 Held out from every corpus: ShareGPT entries 10,000 and later, GSM8K test 1,000 and later, HumanEval, MT-Bench.
 """
@@ -174,6 +177,7 @@ def gsm8k_train_questions(path: Path, test_questions: set[str]) -> list[dict]:
 WRITING_PARTS = Path(__file__).with_name("writing_requests.json")
 QUESTION_PARTS = Path(__file__).with_name("question_requests.json")
 TASK_PARTS = Path(__file__).with_name("task_requests.json")
+ROLEPLAY_PARTS = Path(__file__).with_name("roleplay_requests.json")
 
 
 def composed_requests(parts: dict, kind: str, seed: int = 0) -> list[dict]:
@@ -229,6 +233,7 @@ def main(out: Path) -> None:
     write(out / "writing.jsonl", composed_requests(json.loads(WRITING_PARTS.read_text()), "writing"))
     write(out / "questions.jsonl", composed_requests(json.loads(QUESTION_PARTS.read_text()), "questions"))
     write(out / "tasks.jsonl", composed_requests(json.loads(TASK_PARTS.read_text()), "tasks"))
+    write(out / "roleplay.jsonl", composed_requests(json.loads(ROLEPLAY_PARTS.read_text()), "roleplay"))
 
 
 if __name__ == "__main__":

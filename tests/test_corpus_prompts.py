@@ -118,11 +118,13 @@ def test_composed_requests_pair_every_form_with_every_subject_once_in_a_seeded_o
     assert corpus_prompts.composed_requests(parts, "writing", seed=1) != requests
 
 
-@pytest.mark.parametrize("kind", ["writing", "questions", "tasks", "roleplay"])
+PARTS_FILES = {"writing": corpus_prompts.WRITING_PARTS, "questions": corpus_prompts.QUESTION_PARTS,
+               "tasks": corpus_prompts.TASK_PARTS, "roleplay": corpus_prompts.ROLEPLAY_PARTS}
+
+
+@pytest.mark.parametrize("kind", sorted(PARTS_FILES))
 def test_the_shipped_parts_compose_thousands_of_distinct_requests(kind):
-    parts_file = {"writing": corpus_prompts.WRITING_PARTS, "questions": corpus_prompts.QUESTION_PARTS,
-                  "tasks": corpus_prompts.TASK_PARTS, "roleplay": corpus_prompts.ROLEPLAY_PARTS}[kind]
-    requests = corpus_prompts.composed_requests(json.loads(parts_file.read_text()), kind)
+    requests = corpus_prompts.composed_requests(json.loads(PARTS_FILES[kind].read_text()), kind)
     texts = [r["turns"][0] for r in requests]
     assert len(texts) == len(set(texts)) >= 2000
     assert not any("{" in t for t in texts)  # every placeholder filled
@@ -144,7 +146,7 @@ def test_the_question_subjects_leave_mt_bench_topics_out():
 def test_the_task_and_roleplay_requests_leave_mt_bench_writing_and_roleplay_topics_out(kind):
     """The multi-part task and role-play requests are MT-Bench's kind (writing and role-play), so none of the topics
     or roles its first turns name may appear in a form or a subject: they would put held-out answers in the corpus."""
-    parts = json.loads({"tasks": corpus_prompts.TASK_PARTS, "roleplay": corpus_prompts.ROLEPLAY_PARTS}[kind].read_text())
+    parts = json.loads(PARTS_FILES[kind].read_text())
     text = " ".join(parts["forms"] + parts["subjects"]).lower()
     for named in ("hawaii", "smartphone", "marketplace", "abandoned house", "time travel", "bio-energy", "mars",
                   "elon musk", "sheldon", "iron man", "doctor", "relationship coach", "translator", "machine learning",

@@ -174,10 +174,10 @@ def gsm8k_train_questions(path: Path, test_questions: set[str]) -> list[dict]:
             if row["question"] != DEFAULT_PROMPT and row["question"] not in test_questions]
 
 
-WRITING_PARTS = Path(__file__).with_name("writing_requests.json")
-QUESTION_PARTS = Path(__file__).with_name("question_requests.json")
-TASK_PARTS = Path(__file__).with_name("task_requests.json")
-ROLEPLAY_PARTS = Path(__file__).with_name("roleplay_requests.json")
+# the composed prompt files, in the order main() writes them: kind -> its parts file (``<kind>.jsonl``)
+COMPOSED_PARTS = {kind: Path(__file__).with_name(f"{name}_requests.json")
+                  for kind, name in (("writing", "writing"), ("questions", "question"), ("tasks", "task"),
+                                     ("roleplay", "roleplay"))}
 
 
 def composed_requests(parts: dict, kind: str, seed: int = 0) -> list[dict]:
@@ -230,10 +230,8 @@ def main(out: Path) -> None:
     write(out / "code_completion.jsonl", code_completion_prompts(COMPLETION_SOURCES, taken))
     write(out / "code_completion_more.jsonl", code_completion_prompts(MORE_COMPLETION_SOURCES, taken))
     write(out / "code_completion_extra.jsonl", code_completion_prompts(EXTRA_COMPLETION_SOURCES, taken))
-    write(out / "writing.jsonl", composed_requests(json.loads(WRITING_PARTS.read_text()), "writing"))
-    write(out / "questions.jsonl", composed_requests(json.loads(QUESTION_PARTS.read_text()), "questions"))
-    write(out / "tasks.jsonl", composed_requests(json.loads(TASK_PARTS.read_text()), "tasks"))
-    write(out / "roleplay.jsonl", composed_requests(json.loads(ROLEPLAY_PARTS.read_text()), "roleplay"))
+    for kind, parts in COMPOSED_PARTS.items():
+        write(out / f"{kind}.jsonl", composed_requests(json.loads(parts.read_text()), kind))
 
 
 if __name__ == "__main__":

@@ -118,8 +118,7 @@ def test_composed_requests_pair_every_form_with_every_subject_once_in_a_seeded_o
     assert corpus_prompts.composed_requests(parts, "writing", seed=1) != requests
 
 
-PARTS_FILES = {"writing": corpus_prompts.WRITING_PARTS, "questions": corpus_prompts.QUESTION_PARTS,
-               "tasks": corpus_prompts.TASK_PARTS, "roleplay": corpus_prompts.ROLEPLAY_PARTS}
+PARTS_FILES = corpus_prompts.COMPOSED_PARTS
 
 
 @pytest.mark.parametrize("kind", sorted(PARTS_FILES))
@@ -136,7 +135,7 @@ def test_the_shipped_parts_compose_thousands_of_distinct_requests(kind):
 def test_the_question_subjects_leave_mt_bench_topics_out():
     """The question requests must not teach the drafter MT-Bench's own STEM and humanities topics (MT-Bench is held
     out): none of the subjects that its questions name is a subject here."""
-    subjects = {s.lower() for s in json.loads(corpus_prompts.QUESTION_PARTS.read_text())["subjects"]}
+    subjects = {s.lower() for s in json.loads(PARTS_FILES["questions"].read_text())["subjects"]}
     for named in ("the pythagorean theorem", "probability", "recursion", "the renaissance", "earthquakes",
                   "photosynthesis", "antitrust laws", "machine learning", "the fibonacci sequence"):
         assert named not in subjects

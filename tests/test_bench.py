@@ -388,6 +388,28 @@ def test_prediction_charges_each_round_its_own_verify_size():
     assert model["predicted_speedup"] == pytest.approx(2.0 / (1.25 + 2.0 / 40.0))
 
 
+def test_pooled_speedup_is_all_tokens_over_all_time_where_the_median_is_a_typical_run():
+    from dflash_hf.bench_report import summarize
+
+    def record(method, prompt_id, tokens, seconds):
+        block = 1 if method == "greedy" else 16
+        return {"dataset": "set", "method": method, "prompt_id": prompt_id, "repeat": 0, "block": block,
+                "decode_tokens": tokens, "decode_s": seconds, "decode_tok_s": tokens / seconds, "ttft_s": 0.1,
+                "acceptance_lengths": [1] * tokens, "proposed_lengths": [0] * tokens, "first_diff": None,
+                "phases_s": {"draft": 0.0, "context": 0.0, "verify": seconds, "glue": 0.0}}
+
+    # greedy 10 tok/s on all three prompts; the drafter 40, 20 and 30 tok/s, but its fast run is the long one
+    runs = [record("greedy", p, 100, 10.0) for p in "abc"]
+    runs += [record("dflash", "a", 400, 10.0), record("dflash", "b", 100, 5.0), record("dflash", "c", 60, 2.0)]
+    row = next(r for r in summarize(runs) if r["dataset"] == "all" and r["method"] == "dflash")
+    assert row["speedup"] == pytest.approx(3.0)  # the median run, 30 tok/s
+    assert row["pooled_tok_s"] == pytest.approx(560 / 17.0)
+    assert row["pooled_speedup"] == pytest.approx((560 / 17.0) / 10.0)
+    assert "| 3.00× | 3.29× |" in render_markdown({"machine": {"cpu": "x", "cores": 2, "torch_threads": 1,
+        "dtype": "float32", "torch": "t", "transformers": "t", "loadavg": [0]}, "config": {"max_new_tokens": 1,
+        "repeats": 1, "temperature": 0.0}, "summary": summarize(runs)})
+
+
 def test_batch_benchmark_times_whole_batches_and_checks_every_row(models):
     from dflash_hf.bench import batch_report, generated_tokens, run_batch_benchmark
 

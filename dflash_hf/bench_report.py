@@ -42,8 +42,7 @@ def summarize(records: list[dict], verify_curve: dict | None = None) -> list[dic
         plain = {(r["prompt_id"], r["repeat"]): r["decode_tok_s"] for r in runs.get("greedy", [])}
         for row in by_method:
             row["speedup"] = row["decode_tok_s"] / greedy["decode_tok_s"] if greedy else None
-            pooled_plain = greedy["pooled_tok_s"] if greedy else 0.0
-            row["pooled_speedup"] = row["pooled_tok_s"] / pooled_plain if pooled_plain else None
+            row["pooled_speedup"] = row["pooled_tok_s"] / greedy["pooled_tok_s"] if greedy else None
             paired = _paired_speedups(runs[row["method"]], plain)
             row["speedup_range"] = [min(paired), max(paired)] if paired else None
             if verify_curve is not None:
@@ -78,9 +77,7 @@ def _summarize_method(dataset, method, runs) -> dict | None:
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
         "decode_tok_s_min": min(r["decode_tok_s"] for r in runs),
         "decode_tok_s_max": max(r["decode_tok_s"] for r in runs),
-        # the aggregate speed; bf16 runs of one prompt can decode texts of different lengths (near-ties), and then
-        # the median run is not it
-        "pooled_tok_s": sum(r["decode_tokens"] for r in runs) / max(sum(r["decode_s"] for r in runs), 1e-9),
+        "pooled_tok_s": _pooled_tok_s(runs),
         "ttft_s": statistics.median(r["ttft_s"] for r in runs),
         "tau": stats.mean_acceptance_length if stats.acceptance_lengths else 1.0,
         "proposal_counts": {k: stats.proposed_lengths.count(k) for k in sorted(set(stats.proposed_lengths))},
@@ -91,6 +88,12 @@ def _summarize_method(dataset, method, runs) -> dict | None:
         "num_prompts": identical + len(first_diffs),
         "first_diffs": first_diffs,
     }
+
+
+def _pooled_tok_s(runs) -> float:
+    """All runs' decode tokens over all their decode time (0 when none took any), as ``decode_tok_s`` is per run."""
+    seconds = sum(r["decode_s"] for r in runs)
+    return sum(r["decode_tokens"] for r in runs) / seconds if seconds > 0 else 0.0
 
 
 def _identity(runs) -> tuple[int, list[dict]]:

@@ -405,9 +405,10 @@ def test_pooled_speedup_is_all_tokens_over_all_time_where_the_median_is_a_typica
     assert row["speedup"] == pytest.approx(3.0)  # the median run, 30 tok/s
     assert row["pooled_tok_s"] == pytest.approx(560 / 17.0)
     assert row["pooled_speedup"] == pytest.approx((560 / 17.0) / 10.0)
-    assert "| 3.00× | 3.29× |" in render_markdown({"machine": {"cpu": "x", "cores": 2, "torch_threads": 1,
-        "dtype": "float32", "torch": "t", "transformers": "t", "loadavg": [0]}, "config": {"max_new_tokens": 1,
-        "repeats": 1, "temperature": 0.0}, "summary": summarize(runs)})
+    machine = {"cpu": "x", "cores": 2, "torch_threads": 1, "dtype": "float32", "torch": "t", "transformers": "t",
+               "loadavg": [0]}
+    config = {"max_new_tokens": 1, "repeats": 1, "temperature": 0.0}
+    assert "| 3.00× | 3.29× |" in render_markdown({"machine": machine, "config": config, "summary": summarize(runs)})
 
 
 def test_batch_benchmark_times_whole_batches_and_checks_every_row(models):

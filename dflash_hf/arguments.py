@@ -26,6 +26,14 @@ NON_NEGATIVE_INT = at_least(0)  # ids, "0 = off" switches
 NON_NEGATIVE = at_least(0.0, float)  # temperatures, rates, seconds, norms
 
 
+def FRACTION(text: str) -> float:
+    """An argparse ``type`` for a share in ``[0, 1]`` (loss weights)."""
+    value = NON_NEGATIVE(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return value
+
+
 def add_dtype_argument(parser: argparse.ArgumentParser, default: str, what: str) -> None:
     """``--dtype auto|float32|bfloat16`` for commands that run a target; ``auto`` is resolved by
     `dflash_hf.loading.resolve_dtype` (bf16 where the CPU computes it natively, else float32)."""

@@ -341,12 +341,14 @@ def test_block_sparse_attention_in_bf16_is_as_close_to_float32_as_dense_sdpa():
         assert sparse <= 2 * dense + 1e-3
 
 
+@pytest.mark.parametrize("kd_weight", [0.0, 0.4])
 @pytest.mark.parametrize("answers", ["greedy", "sampled"])
 @pytest.mark.parametrize("implementation", ["block_sparse", "sdpa"])
-def test_block_loss_equals_the_plain_dense_loss(implementation, answers):
+def test_block_loss_equals_the_plain_dense_loss(implementation, answers, kd_weight):
     """`block_loss` (context cut at the last anchor, the last MLP on label rows only, the chosen attention) gives
     the loss and gradients of the plain formula: the whole context, the dense mask, every row through every layer;
-    on sampled answers, with the labels and rows of the batch's ``next_ids``."""
+    on sampled answers, with the labels and rows of the batch's ``next_ids``; with ``kd_weight``, a share of each
+    row's loss is the KL to the target's distribution at the position before the row's label."""
     torch.manual_seed(0)
     draft = DFlashDraftModel(tiny_config(num_hidden_layers=2))
     embed, head = torch.nn.Embedding(50, 32), torch.nn.Linear(32, 50, bias=False)
@@ -362,6 +364,9 @@ def test_block_loss_equals_the_plain_dense_loss(implementation, answers):
         next_ids[departs] = (next_ids[departs] + 1) % 49
         batch["next_ids"] = next_ids
     features = torch.randn(2, seq_len, 64)
+    teacher_hidden = torch.randn(2, seq_len, 32)
+    if kd_weight:
+        batch["teacher_hidden"] = teacher_hidden
 
     # the plain formula, drawing anchors and positions in block_loss's order
     generator = torch.Generator().manual_seed(3)
@@ -375,8 +380,15 @@ def test_block_loss_equals_the_plain_dense_loss(implementation, answers):
     draft.config._attn_implementation = "sdpa"
     hidden = draft(noise_embedding=embed(noise), target_hidden=features, position_ids=positions,
                    attention_mask=build_block_mask(anchors, keep, seq_len, block)).last_hidden_state
-    expected = torch.nn.functional.cross_entropy(head(hidden[chosen]), labels[chosen], reduction="sum")
-    expected = expected / weights.sum()
+    logits = head(hidden[chosen])
+    per_row = torch.nn.functional.cross_entropy(logits, labels[chosen], reduction="none")
+    if kd_weight:  # row j of sequence i: block j // B, offset j % B, label at anchor + offset, read one before
+        before = [int(anchors[i, j // block]) + j % block - 1 for i, j in chosen.nonzero().tolist()]
+        sequence = chosen.nonzero()[:, 0]
+        teacher = head(teacher_hidden[sequence, torch.tensor(before)]).log_softmax(-1)
+        kl = (teacher.exp() * (teacher - logits.log_softmax(-1))).sum(-1)
+        per_row = (1 - kd_weight) * per_row + kd_weight * kl
+    expected = per_row.sum() / weights.sum()
     expected.backward()
     expected_grads = [p.grad.clone() for p in draft.parameters()]
     assert int(anchors.max()) + 1 < seq_len and chosen.float().mean() < 0.6  # both shortcuts skip something
@@ -384,7 +396,8 @@ def test_block_loss_equals_the_plain_dense_loss(implementation, answers):
     draft.zero_grad()
     draft.config._attn_implementation = implementation
     loss, _ = block_loss(draft, embed, head, batch, features, block_size=block, num_anchors=6, mask_token_id=49,
-                         gamma=2.0, generator=torch.Generator().manual_seed(3), sample_positions=True)
+                         gamma=2.0, generator=torch.Generator().manual_seed(3), sample_positions=True,
+                         kd_weight=kd_weight)
     loss.backward()
     torch.testing.assert_close(loss, expected)
     for param, grad in zip(draft.parameters(), expected_grads):
@@ -544,8 +557,19 @@ def test_resume_gives_identical_state(work, tmp_path):
 
 def test_online_features_warm_start_and_grad_accum(work, tmp_path):
     summary = main(train_argv(work, tmp_path / "online", "--max-steps", "2", "--online-features", "--warm-start",
-                              "--grad-accum", "2", "--batch-size", "2"))
+                              "--grad-accum", "2", "--batch-size", "2", "--kd-weight", "0.5"))
     assert summary["step"] == 2 and summary["blocks"] > 0
+
+
+def test_kd_weight_needs_online_features_and_a_share(work, tmp_path, capsys):
+    """The target's distribution is only there when the target runs online; a weight outside [0, 1] is refused."""
+    from dflash_hf.cli import main as cli
+
+    assert cli(train_argv(work, tmp_path / "stored", "--max-steps", "1", "--kd-weight", "0.5", "--quiet")) == 1
+    assert "pass --online-features" in capsys.readouterr().err.splitlines()[-1]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(train_argv(work, tmp_path / "x", "--kd-weight", "1.5"))
+    assert "must be a number in [0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_trained_drafter_beats_untrained(work, tmp_path):

@@ -8,7 +8,7 @@ import argparse
 import json
 import logging
 
-from ..arguments import COUNT, NON_NEGATIVE, NON_NEGATIVE_INT
+from ..arguments import COUNT, FRACTION, NON_NEGATIVE, NON_NEGATIVE_INT
 from ..loading import DTYPES
 from .config import (
     DistillConfig,
@@ -121,6 +121,10 @@ def _add_train_options(p):
                    help="loss over the N most frequent response tokens only (0 = the full vocabulary): the lm_head "
                    "is most of a CPU step; the drafter keeps them as its draft vocabulary (config draft_vocab) and "
                    "drafts from those rows of the lm_head only")
+    g.add_argument("--kd-weight", type=FRACTION, default=0.0,
+                   help="share of each label's loss that is the KL divergence to the target's distribution over the "
+                   "(train) vocabulary, the rest cross-entropy to its greedy token: the target's runner-up tokens "
+                   "teach more per answer than its argmax alone (needs --online-features; 0 = hard labels only)")
     g.add_argument("--max-length", type=COUNT, default=3072, help="truncate sequences to this many tokens")
     g.add_argument("--online-features", action="store_true",
                    help="run the target for features even when the shards store them")

@@ -80,6 +80,7 @@ class TrainOptions:
     gamma: float | None = None  # loss decay exp(-(k-1)/gamma); None: default_gamma(block_size); <= 0: uniform
     sample_positions: bool = False
     train_vocab: int = 0  # loss over the N most frequent response tokens only (0 = the full vocabulary)
+    kd_weight: float = 0.0  # the share of the loss that is KL to the target's distribution (online features only)
     max_length: int = 3072
     online_features: bool = False
     # optimisation

@@ -86,11 +86,12 @@ ARGMAX_CHUNK = 2**26
 def target_pass(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor, layer_ids: list[int]):
     """One teacher-forced forward of the target over a right-padded batch ``[b, T]``.
 
-    Returns ``features [b, T, F*H]`` (``hidden_states[l + 1]`` of ``layer_ids``, concatenated) and ``next_ids
+    Returns ``features [b, T, F*H]`` (``hidden_states[l + 1]`` of ``layer_ids``, concatenated), ``next_ids
     [b, T]``: the target's greedy prediction after each token (``next_ids[:, t]`` is the argmax of its logits at
-    ``t``, the token greedy decoding would put at ``t + 1``). On the target's own greedy answers ``next_ids[:, t] ==
-    input_ids[:, t + 1]`` wherever the dtype's rounding agrees; on sampled answers they are the labels that keep
-    training on greedy continuations.
+    ``t``, the token greedy decoding would put at ``t + 1``), and ``last_hidden [b, T, H]``: the final (normed)
+    states its head turns into those logits, for a loss against the target's whole distribution. On the target's
+    own greedy answers ``next_ids[:, t] == input_ids[:, t + 1]`` wherever the dtype's rounding agrees; on sampled
+    answers they are the labels that keep training on greedy continuations.
     """
     out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                               output_hidden_states=[i + 1 for i in layer_ids])
@@ -101,7 +102,7 @@ def target_pass(model, input_ids: torch.LongTensor, attention_mask: torch.Tensor
     next_ids = torch.zeros_like(input_ids)  # padding keeps 0
     # a monotone logit transform after the head (soft-capping, scaling) leaves the argmax where it is
     next_ids[real] = torch.cat([head(part).argmax(-1) for part in rows.split(step)])
-    return features, next_ids
+    return features, next_ids, out.last_hidden_state
 
 
 def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[int], pad_id: int
@@ -114,7 +115,7 @@ def teacher_forced_features(model, sequences: list[list[int]], layer_ids: list[i
     for i, ids in enumerate(sequences):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention_mask[i, : len(ids)] = 1
-    features, next_ids = target_pass(model, input_ids.to(model.device), attention_mask.to(model.device), layer_ids)
+    features, next_ids, _ = target_pass(model, input_ids.to(model.device), attention_mask.to(model.device), layer_ids)
     features, next_ids = features.to(torch.bfloat16).cpu(), next_ids.cpu()
     return [(features[i, : len(ids)], next_ids[i, : len(ids)]) for i, ids in enumerate(sequences)]
 

@@ -86,11 +86,15 @@ class VocabSubsetHead(DraftVocabHead):
 
 def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor, *, block_size: int,
                num_anchors: int, mask_token_id: int, gamma: float | None, generator: torch.Generator,
-               sample_positions: bool = False, autocast=nullcontext) -> tuple[torch.Tensor, dict]:
+               sample_positions: bool = False, autocast=nullcontext, kd_weight: float = 0.0
+               ) -> tuple[torch.Tensor, dict]:
     """The DFlash training loss of one batch, and its metrics (``correct``/``count`` per block position).
 
     ``features [b, S, F*H]`` are the target's concatenated hidden states for ``batch["input_ids"] [b, S]``.
     ``lm_head`` is the target's head or a `VocabSubsetHead` (then accuracy is measured within the subset).
+    Each label row's loss is the cross-entropy against the target's greedy token; with ``kd_weight = a > 0`` it is
+    ``(1 - a) * CE + a * KL(p || q)``, ``p`` the target's distribution over the same head's rows, read from
+    ``batch["teacher_hidden"] [b, S, H]`` (`target_pass`'s ``last_hidden``) at the position before the label.
     """
     input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     device = input_ids.device
@@ -130,14 +134,34 @@ def block_loss(draft, embed_tokens, lm_head, batch: dict, features: torch.Tensor
                        attention_mask=mask, **layout).last_hidden_state
         logits = lm_head(hidden[chosen])
     logits = logits.float()  # for the loss, and for the accuracy's argmax (a bf16 argmax is ~5x slower on a CPU)
-    ce = F.cross_entropy(logits, labels[chosen], reduction="none")
-    loss = (ce * row_weights[chosen]).sum() / weights.sum().clamp(min=1e-6)
+    per_row = F.cross_entropy(logits, labels[chosen], reduction="none")
+    if kd_weight:
+        teacher = teacher_log_probs(lm_head, batch["teacher_hidden"], anchors.to(device), block_size, chosen, autocast)
+        kl = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
+        per_row = (1 - kd_weight) * per_row + kd_weight * kl
+    loss = (per_row * row_weights[chosen]).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         block_pos = (torch.arange(weights.shape[1], device=device) % block_size).expand_as(weights)[chosen]
         hits = (logits.argmax(-1) == labels[chosen]).float()
         stats["correct"] = torch.zeros(block_size, device=device).index_add_(0, block_pos, hits).cpu()
         stats["count"] = torch.zeros(block_size, device=device).index_add_(0, block_pos, torch.ones_like(hits)).cpu()
     return loss, stats
+
+
+@torch.no_grad()
+def teacher_log_probs(lm_head, teacher_hidden: torch.Tensor, anchors: torch.LongTensor, block_size: int,
+                      chosen: torch.BoolTensor, autocast=nullcontext) -> torch.Tensor:
+    """The target's log-probabilities ``[n, V']`` (over ``lm_head``'s rows) for the ``chosen [b, N*B]`` label rows.
+
+    Row ``k`` of the block at ``anchor`` labels position ``anchor + k``, which the target predicted from its state
+    at ``anchor + k - 1``: that is the row of ``teacher_hidden [b, S, H]`` each label row reads.
+    """
+    seq_len, hidden = teacher_hidden.shape[1:]
+    before = anchors[:, :, None] + torch.arange(block_size, device=anchors.device) - 1
+    before = before.clamp(0, seq_len - 1).reshape(anchors.shape[0], -1)  # [b, N*B]
+    rows = teacher_hidden.gather(1, before[..., None].expand(-1, -1, hidden))[chosen]
+    with autocast():
+        return lm_head(rows).float().log_softmax(-1)
 
 
 @contextmanager
@@ -550,6 +574,9 @@ def setup_training(config: TrainConfig) -> TrainingRun:
     if dataset.has_features and asked and dataset.target_layer_ids not in (None, asked):
         raise ValueError(f"--target-layer-ids {asked} differ from the shards' features "
                          f"({dataset.target_layer_ids}); redistill or pass --online-features.")
+    if config.kd_weight and dataset.has_features:
+        raise ValueError("--kd-weight learns the target's distribution, which the stored features do not hold: "
+                         "pass --online-features.")
     if config.train_vocab:
         ids, coverage = dataset.frequent_response_tokens(config.train_vocab)
         lm_head = VocabSubsetHead(lm_head, ids)
@@ -699,14 +726,17 @@ def train_step(run: TrainingRun, window: MetricsWindow) -> tuple[float, int]:
         batch = {k: v.to(run.device) for k, v in collate([run.dataset[i] for i in indices], run.pad_id).items()}
         features = batch.pop("features", None)
         if features is None:  # online: the target's features and its greedy predictions, as `features` stores them
-            features, batch["next_ids"] = target_pass(run.target, batch["input_ids"], batch["attention_mask"],
-                                                      run.layer_ids)
+            features, batch["next_ids"], teacher_hidden = target_pass(run.target, batch["input_ids"],
+                                                                      batch["attention_mask"], run.layer_ids)
+            if config.kd_weight:
+                batch["teacher_hidden"] = teacher_hidden
         sync = nullcontext() if (run.world == 1 or micro == config.grad_accum - 1) else run.model.no_sync()
         with sync:
             loss, stats = block_loss(
                 run.model, run.embed_tokens, run.lm_head, batch, features, block_size=config.block_size,
                 num_anchors=config.num_anchors, mask_token_id=run.draft.config.mask_token_id, gamma=run.gamma,
                 generator=run.generator, sample_positions=config.sample_positions, autocast=run.autocast,
+                kd_weight=config.kd_weight,
             )
             (loss / config.grad_accum).backward()
         step_loss += loss.item() / config.grad_accum

@@ -153,6 +153,7 @@ _SUBCOMMANDS = {
     "eval": _delegated(".training.cli", "add_eval_parser"),
     "train-all": _delegated(".training.cli", "add_train_all_parser"),
     "draft-vocab": _delegated(".training.cli", "add_draft_vocab_parser"),
+    "average": _delegated(".training.cli", "add_average_parser"),
     "bench": _delegated(".bench_cli", "add_bench_parser"),
     "card": (_add_card_parser, _run_card),
     "convert": (_add_convert_parser, _run_convert),

@@ -884,6 +884,36 @@ def test_draft_vocab_command_attaches_and_clears_a_vocabulary(work, tmp_path, ca
     assert "is not a folder: pass a local drafter folder" in capsys.readouterr().err.splitlines()[-1]
 
 
+def test_average_command_writes_the_mean_under_the_first_config(work, tmp_path, capsys):
+    """``dflash-hf average`` writes the element-wise mean of the drafters' weights with the first one's config (its
+    draft vocabulary kept); drafters of another shape, or a single drafter, are one line."""
+    from dflash_hf.cli import main as cli
+
+    target_config = DFlashConfig.from_pretrained(work / "target")
+    folders, drafters = [], []
+    for seed, layers, vocab in ((0, 1, [3, 5, 7]), (1, 1, None), (2, 2, None)):
+        torch.manual_seed(seed)
+        config = DFlashConfig.from_target_config(target_config, mask_token_id=MASK, num_hidden_layers=layers,
+                                                 target_layer_ids=[0, 2])
+        config.draft_vocab = vocab
+        drafters.append(DFlashDraftModel(config))
+        folders.append(tmp_path / f"draft{seed}")
+        drafters[-1].save_pretrained(folders[-1])
+    out = tmp_path / "mean"
+    assert cli(["average", str(folders[0]), str(folders[1]), "--out", str(out), "--dtype", "float32"]) == 0
+    mean = DFlashDraftModel.from_pretrained(out, dtype=torch.float32)
+    assert mean.config.draft_vocab == [3, 5, 7]
+    for (name, got), a, b in zip(mean.state_dict().items(), drafters[0].state_dict().values(),
+                                 drafters[1].state_dict().values()):
+        torch.testing.assert_close(got, (a + b) / 2, msg=name)
+    assert not torch.equal(drafters[0].fc.weight, drafters[1].fc.weight)  # the mean is not one of them
+    capsys.readouterr()
+    assert cli(["average", str(folders[0]), str(folders[2]), "--out", str(tmp_path / "bad")]) == 1
+    assert "is not shaped like" in capsys.readouterr().err.splitlines()[-1] and not (tmp_path / "bad").exists()
+    assert cli(["average", str(folders[0]), "--out", str(tmp_path / "one")]) == 1
+    assert "at least two drafter folders" in capsys.readouterr().err.splitlines()[-1]
+
+
 # ------------------------------------------------------------------------------------ typed configs, library
 def test_train_all_is_a_library_function_the_command_line_wraps(monkeypatch, tmp_path):
     """`train_all` turns one `TrainAllConfig` into the distill and train configs (budget split, data and run folders,

@@ -224,6 +224,19 @@ def add_draft_vocab_parser(subparsers):
     return p
 
 
+def add_average_parser(subparsers):
+    p = subparsers.add_parser(
+        "average", help="one drafter from the mean of several trained drafters' weights",
+        description="Average the weights of drafters of one lineage (the same shape, each run warm-started from the "
+                    "one before): the mean often drafts better than any of them. The first drafter's config (and draft "
+                    "vocabulary) is kept. Judge the result on held-out prompts (dflash-hf eval) before shipping it.")
+    p.add_argument("drafts", nargs="+", help="drafter folders, e.g. runs/run27/final runs/run28/final")
+    p.add_argument("--out", required=True, help="folder to write the averaged drafter to (replaced atomically)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weights' dtype (default: %(default)s)")
+    p.set_defaults(func=run_average)
+    return p
+
+
 def add_train_all_parser(subparsers):
     p = subparsers.add_parser(
         "train-all", help="distill + train within one wall-clock budget (GPU-ready)",
@@ -300,6 +313,14 @@ def run_draft_vocab(args):
     print(f"{path}: draft vocabulary of {len(ids)} tokens, {100 * coverage:.2f}% of the {int(total.sum()):,} "
           "response tokens")
     return ids
+
+
+def run_average(args):
+    from .average import average_drafters
+
+    path = average_drafters(args.drafts, args.out, args.dtype)
+    print(f"{path}: the mean of {len(args.drafts)} drafters ({args.dtype})")
+    return path
 
 
 def run_train_all(args):

@@ -10,7 +10,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-$REPO/.venv/bin/python}
 TARGET=${TARGET:-$HOME/.cache/dflash-hf/targets/smollm2-135m-instruct-float32}
 read -r -a CORES <<< "${CORES:-0 1}"
-mkdir -p "$OUT/prompts"
+rm -rf "$OUT/prompts" && mkdir -p "$OUT/prompts"   # no sample left from an earlier call
 "$PY" "$REPO/scripts/heldout_samples.py" prompts "$OUT/prompts" ${3:-} > /dev/null
 evaluate() {  # core, then samples
     local core=$1; shift
@@ -22,11 +22,12 @@ evaluate() {  # core, then samples
             || { tail -1 "$OUT/$name.log"; exit 1; }
     done
 }
-FIRST=(gsm5 he5 mt5 sg5 wr5 qu5 mt12) SECOND=(gsm12 sg12 he12)
-[[ ${3:-} == --tie-break ]] && SECOND+=(mt24)
-if (( ${#CORES[@]} > 1 )); then
-    evaluate "${CORES[0]}" "${FIRST[@]}" & evaluate "${CORES[1]}" "${SECOND[@]}" & wait
-else
-    evaluate "${CORES[0]}" "${FIRST[@]}" "${SECOND[@]}"
-fi
-grep -h 'tau=' "$OUT"/*.log | sed 's/histogram.*//' | paste <(ls "$OUT"/*.log | xargs -n1 basename) -
+mapfile -t QUEUES < <("$PY" "$REPO/scripts/heldout_samples.py" queues "${#CORES[@]}" ${3:-})
+pids=()
+for i in "${!CORES[@]}"; do
+    # shellcheck disable=SC2086  # a queue is a space-separated list of sample names
+    evaluate "${CORES[i]}" ${QUEUES[i]} &
+    pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done   # a failed eval fails the script
+(cd "$OUT" && grep -H 'tau=' ./*.log) | sed -e 's#^\./##' -e 's/\.log:/\t/' -e 's/histogram.*//'

@@ -1,6 +1,7 @@
 """The held-out samples drafters are chosen on (docs/training.md, runs 21-31), and the rule that compares two drafters.
 
     python scripts/heldout_samples.py prompts DIR            # DIR/<sample>.jsonl, one file per sample
+    python scripts/heldout_samples.py queues 2               # the samples split over two cores
     bash scripts/heldout_eval.sh DRAFT OUT                   # dflash-hf eval on each sample -> OUT/<sample>.json
     python scripts/heldout_samples.py compare BASE CAND      # rounds per sample, total, and the rule's verdict
 
@@ -34,12 +35,13 @@ SAMPLES = {
     "mt12": ("mtbench", 5, 12),
 }
 TIE_BREAK = {"mt24": ("mtbench", 17, 24)}
+ALL_SAMPLES = {**SAMPLES, **TIE_BREAK}
 AHEAD_NEEDED = 6
 
 
 def sample_prompts(name: str) -> list[dict]:
     """The prompts of sample ``name`` as ``{"id", "turns"}`` records."""
-    source, start, count = {**SAMPLES, **TIE_BREAK}[name]
+    source, start, count = ALL_SAMPLES[name]
     if source in corpus_prompts.COMPOSED_PARTS:
         parts = json.loads(corpus_prompts.COMPOSED_PARTS[source].read_text())
         entries = corpus_prompts.composed_requests(parts, source)
@@ -48,10 +50,19 @@ def sample_prompts(name: str) -> list[dict]:
     return entries[start : start + count]
 
 
+def queues(cores: int, tie_break: bool = False) -> list[list[str]]:
+    """The samples split over ``cores`` queues of about equal prompts: largest first, each to the lightest queue."""
+    names = sorted(ALL_SAMPLES if tie_break else SAMPLES, key=lambda name: -ALL_SAMPLES[name][2])
+    split = [[] for _ in range(cores)]
+    for name in names:
+        min(split, key=lambda queue: sum(ALL_SAMPLES[n][2] for n in queue)).append(name)
+    return split
+
+
 def rounds(folder: Path) -> dict[str, int]:
     """Rounds per sample from the ``dflash-hf eval --output`` files in ``folder`` (the first block size's)."""
     found = {}
-    for name in [*SAMPLES, *TIE_BREAK]:
+    for name in ALL_SAMPLES:
         path = folder / f"{name}.json"
         if path.is_file():
             found[name] = json.loads(path.read_text())["results"][0]["rounds"]
@@ -83,17 +94,23 @@ def main() -> None:
     prompts = commands.add_parser("prompts", help="write one JSONL per sample into DIR")
     prompts.add_argument("dir", type=Path)
     prompts.add_argument("--tie-break", action="store_true", help="also the eleventh sample")
+    split = commands.add_parser("queues", help="print the samples as N lines of names, one queue per core")
+    split.add_argument("cores", type=int)
+    split.add_argument("--tie-break", action="store_true", help="also the eleventh sample")
     compare = commands.add_parser("compare", help="rounds per sample of two eval folders, and the verdict")
     compare.add_argument("base", type=Path)
     compare.add_argument("cand", type=Path)
     args = parser.parse_args()
     if args.command == "prompts":
         args.dir.mkdir(parents=True, exist_ok=True)
-        for name in [*SAMPLES, *(TIE_BREAK if args.tie_break else ())]:
+        for name in ALL_SAMPLES if args.tie_break else SAMPLES:
             corpus_prompts.write(args.dir / f"{name}.jsonl", sample_prompts(name))
         return
+    if args.command == "queues":
+        print("\n".join(" ".join(queue) for queue in queues(args.cores, args.tie_break)))
+        return
     base, cand = rounds(args.base), rounds(args.cand)
-    for name in [*SAMPLES, *TIE_BREAK]:
+    for name in ALL_SAMPLES:
         if name in base and name in cand:
             print(f"{name:6s} {base[name]:6d} -> {cand[name]:6d}  ({cand[name] - base[name]:+d})")
     print(verdict(base, cand))

@@ -36,7 +36,7 @@ def datasets(tmp_path, monkeypatch):
 def test_samples_are_the_documented_slices(datasets, name, first, last):
     prompts = heldout_samples.sample_prompts(name)
     assert (prompts[0]["id"], prompts[-1]["id"]) == (first, last)
-    assert len(prompts) == {**heldout_samples.SAMPLES, **heldout_samples.TIE_BREAK}[name][2]
+    assert len(prompts) == heldout_samples.ALL_SAMPLES[name][2]
 
 
 @pytest.mark.parametrize("kind", ["writing", "questions"])
@@ -76,3 +76,12 @@ def test_compare_reads_eval_outputs(tmp_path):
     assert heldout_samples.verdict(base, cand) == "beats the baseline (90 rounds against 100, ahead on 10 of 10)"
     (tmp_path / "cand" / "qu5.json").unlink()
     assert heldout_samples.verdict(base, heldout_samples.rounds(tmp_path / "cand")) == "incomplete: no result for qu5"
+
+
+@pytest.mark.parametrize("cores, tie_break", [(1, False), (2, False), (2, True), (3, True)])
+def test_queues_hold_every_sample_once_and_balance_the_prompts(cores, tie_break):
+    split = heldout_samples.queues(cores, tie_break)
+    expected = heldout_samples.ALL_SAMPLES if tie_break else heldout_samples.SAMPLES
+    assert len(split) == cores and sorted(n for queue in split for n in queue) == sorted(expected)
+    loads = [sum(heldout_samples.ALL_SAMPLES[n][2] for n in queue) for queue in split]
+    assert max(loads) - min(loads) <= max(size for _, _, size in heldout_samples.ALL_SAMPLES.values())

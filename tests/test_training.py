@@ -37,7 +37,7 @@ from dflash_hf.training.trainer import (
     resolve_autocast,
     warm_start_from_target,
 )
-from conftest import mask_token_id, save_chat_target, write_prompts
+from conftest import mask_token_id, save_chat_drafter, save_chat_target, write_prompts
 REPO = Path(__file__).resolve().parents[1]
 MASK = 259  # "<mask>" in the tiny tokenizer
 LAYERS = "0,2"
@@ -960,6 +960,28 @@ def test_eval_honours_seed(work, tmp_path, monkeypatch):
         main(["eval", "--target", str(work / "target"), "--draft", str(draft), "--prompts", str(work / "prompts.jsonl"),
               "--limit", "1", "--block-sizes", "2", "--max-new-tokens", "4", "--seed", seed])
     assert seeds == [5, 6]
+
+
+def test_eval_reads_every_prompt_unless_limited(work, tmp_path):
+    """Without --limit, eval runs every prompt of the file (a 21-prompt file is not cut to a default of 20)."""
+    draft = save_chat_drafter(tmp_path / "draft", work / "target")
+    prompts = write_prompts(tmp_path / "many.jsonl", 21)
+    argv = ["eval", "--target", str(work / "target"), "--draft", str(draft), "--prompts", str(prompts),
+            "--block-sizes", "2", "--max-new-tokens", "1"]
+    assert main(argv)["num_prompts"] == 21
+    assert main(argv + ["--limit", "3"])["num_prompts"] == 3
+
+
+def test_eval_names_a_missing_or_unfitting_drafter_folder(work, tmp_path, capsys):
+    """A missing drafter folder is named as one (not taken for a Hub repo id); a drafter for another target is refused."""
+    from dflash_hf.cli import main as cli
+
+    base = ["eval", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--quiet"]
+    assert cli(base + ["--draft", str(tmp_path / "missing")]) == 1
+    assert "has no config.json: pass a DFlash drafter folder" in capsys.readouterr().err.splitlines()[-1]
+    other = save_chat_drafter(tmp_path / "wide", work / "target", vocab_size=1000)
+    assert cli(base + ["--draft", str(other)]) == 1
+    assert "does not fit the target" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_bad_chat_template_kwargs_name_the_flag(work, tmp_path):

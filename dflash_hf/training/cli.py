@@ -190,12 +190,14 @@ def add_eval_parser(subparsers):
                               description="Greedy DFlash generation on held-out prompts: tau "
                               "(tokens committed per round, bonus included) and its histogram per block size.")
     _add_common(p)
-    p.add_argument("--draft", required=True, help="drafter folder (OUT/final or a checkpoint)")
+    p.add_argument("--draft", required=True,
+                   help="drafter folder (OUT/final or a checkpoint), or 'default': the one shipped for the default target")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", nargs="+", help="held-out JSONL/JSON prompt files (tau by generating)")
     source.add_argument("--data", help="held-out distilled shards: tau teacher-forced on the target's own answers "
                         "(the round-by-round acceptance of a greedy run that followed those answers; minutes faster)")
-    p.add_argument("--limit", type=COUNT, default=20, help="prompts (or distilled sequences) to evaluate")
+    p.add_argument("--limit", type=COUNT, default=None,
+                   help="evaluate at most this many prompts (or distilled sequences); default: all of them")
     p.add_argument("--block-sizes", type=_int_list, default=[4, 8, 16], help="e.g. '4,8,16'")
     p.add_argument("--max-new-tokens", type=COUNT, default=128)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="target dtype")

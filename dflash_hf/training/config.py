@@ -130,7 +130,7 @@ class EvalConfig(RunConfig):
     draft: str
     prompts: list[str] | None = None
     data: str | None = None
-    limit: int = 20
+    limit: int | None = None  # at most this many prompts (or sequences); None: all
     block_sizes: list[int] = field(default_factory=lambda: [4, 8, 16])
     max_new_tokens: int = 128
     dtype: str = "float32"

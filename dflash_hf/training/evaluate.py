@@ -15,8 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..controller_dflash import DFlashStats
-from ..loading import DTYPES, load_target, resolve_device
-from ..modeling_dflash import DFlashDraftModel
+from ..loading import load_drafter, load_target, resolve_device
 from .blocks import block_labels_and_weights, build_block_inputs, build_block_mask, sample_anchors
 from .config import EvalConfig
 from .data import ShardDataset, collate, read_prompts
@@ -107,13 +106,14 @@ def evaluate(config: EvalConfig) -> dict:
     torch.manual_seed(config.seed)
     device = resolve_device(config.device)
     target, tokenizer = load_target(config.target, dtype=config.dtype, device=device)
-    draft = DFlashDraftModel.from_pretrained(config.draft, dtype=DTYPES[config.draft_dtype]).to(device).eval()
+    draft = load_drafter(config.draft, target, dtype=config.draft_dtype)  # a folder, or "default": the shipped one
     if config.data:
         return evaluate_teacher_forced(config, target, draft)
     prompts, problems = read_prompts(config.prompts, limit=config.limit)
     for problem in problems:
         logger.warning("skipped prompt line %s", problem)
     prompt_ids = [encode_prompt(tokenizer, p.text, config.chat_template_kwargs) for p in prompts]
+    print(f"{len(prompt_ids)} prompts, greedy, {config.max_new_tokens} new tokens each")
     results = {"draft": str(config.draft), "target": str(config.target), "num_prompts": len(prompt_ids),
                "max_new_tokens": config.max_new_tokens, "results": []}
     for block_size in config.block_sizes:
@@ -132,7 +132,7 @@ def evaluate_teacher_forced(config: EvalConfig, target, draft) -> dict:
     from .distill import teacher_forced_features
 
     dataset = ShardDataset(config.data)
-    samples = [dataset[i] for i in range(min(config.limit, len(dataset)))]
+    samples = [dataset[i] for i in range(min(config.limit or len(dataset), len(dataset)))]
     layer_ids = list(draft.config.target_layer_ids)
     if not dataset.has_features or dataset.target_layer_ids != layer_ids:
         for sample in samples:

@@ -733,6 +733,27 @@ def test_torchrun_two_processes_gloo(work, tmp_path):
     assert (ckpt / "rng-rank0.pt").exists() and (ckpt / "rng-rank1.pt").exists()
     assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["world_size"] == 2
     assert (out / "final" / "model.safetensors").exists()
+    # both ranks finish with the same total: all ranks' blocks (test_step_sync_sums_block_counts_over_ranks)
+    summary = json.loads((out / "summary.json").read_text())
+    per_rank = [json.loads(line)["blocks"] for line in result.stdout.splitlines() if line.startswith('{"step"')]
+    assert len(per_rank) == 2 and summary["blocks"] == per_rank[0] == per_rank[1] > 0
+
+
+def test_step_sync_sums_block_counts_over_ranks(tmp_path):
+    """The per-step all-reduce tells every rank whether any ran out of time and sums the ranks' blocks (their draws
+    differ in size), so the summary does not report rank 0's count times the world size."""
+    script = tmp_path / "sync.py"
+    script.write_text("import os, torch\nfrom dflash_hf.training.trainer import _any_and_sum\n"
+                      "torch.distributed.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n"
+                      "print(*_any_and_sum(rank == 1, 10 + rank, 2, torch.device('cpu')))\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             port, str(script)], env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "21", "True", "21"]
 
 
 def test_features_stage_adds_what_distill_stores(work, tmp_path, monkeypatch):

@@ -405,12 +405,13 @@ def _barrier(world: int):
         torch.distributed.barrier()
 
 
-def _any(flag: bool, world: int, device) -> bool:
+def _any_and_sum(flag: bool, count: int, world: int, device) -> tuple[bool, int]:
+    """Whether any rank raised ``flag``, and ``count`` summed over the ranks: one all-reduce a step."""
     if world == 1:
-        return flag
-    tensor = torch.tensor([1.0 if flag else 0.0], device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return bool(tensor.item())
+        return flag, count
+    tensor = torch.tensor([int(flag), count], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return bool(tensor[0].item()), int(tensor[1].item())
 
 
 def epoch_order(num: int, epoch: int, seed: int, rank: int, world: int) -> list[int]:
@@ -523,14 +524,15 @@ def train(config: TrainConfig) -> dict:
         epoch = run.step // run.steps_per_epoch
         loss, blocks = train_step(run, window)
         window.loss, window.steps = window.loss + loss, window.steps + 1
-        total_blocks += blocks
         bar.update(1)
         if run.rank == 0 and (run.step % config.log_every == 0 or run.step == run.total_steps):
             row = evaluate_window(run, window, epoch, start)
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
             window = MetricsWindow(config.block_size)
         out_of_time = bool(config.time_budget) and run.clock() > config.time_budget
-        out_of_time = _any(out_of_time, run.world, run.device)
+        # every rank's blocks, not rank 0's times the world: ranks' draws differ in size
+        out_of_time, blocks = _any_and_sum(out_of_time, blocks, run.world, run.device)
+        total_blocks += blocks
         out_of_time = out_of_time or bool(config.stop_after and run.step >= config.stop_after)
         if run.step < run.total_steps and (out_of_time or (config.save_every and run.step % config.save_every == 0)):
             last_saved = checkpoint(run)
@@ -782,7 +784,7 @@ def checkpoint(run: TrainingRun) -> int:
 
 def finish_training(run: TrainingRun, start: float, stopped_by_budget: bool, blocks: int) -> dict:
     """The curves, ``final/`` (the drafter alone, in ``final_dtype``) and ``summary.json``; returns the summary
-    (``seconds`` since ``start``, the final save included)."""
+    (``blocks``: all ranks' together; ``seconds`` since ``start``, the final save included)."""
     final_dir = run.out_dir / "final"
     if run.rank == 0:
         if run.log_path.exists():
@@ -791,8 +793,7 @@ def finish_training(run: TrainingRun, start: float, stopped_by_budget: bool, blo
     _barrier(run.world)
     seconds = time.monotonic() - start
     summary = {"step": run.step, "total_steps": run.total_steps, "stopped_by_budget": stopped_by_budget,
-               "blocks": blocks * run.world, "seconds": seconds, "blocks_per_s": blocks * run.world / seconds,
-               "final": str(final_dir)}
+               "blocks": blocks, "seconds": seconds, "blocks_per_s": blocks / seconds, "final": str(final_dir)}
     if run.rank == 0:
         (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if run.config.export_dir:

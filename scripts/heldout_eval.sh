@@ -17,7 +17,7 @@ evaluate() {  # core, then samples
     for name in "$@"; do
         local prompts=$OUT/prompts/$name.jsonl
         OMP_NUM_THREADS=1 taskset -c "$core" "$PY" -m dflash_hf eval --target "$TARGET" --draft "$DRAFT" \
-            --prompts "$prompts" --limit "$(wc -l < "$prompts")" --block-sizes 16 --max-new-tokens 128 \
+            --prompts "$prompts" --block-sizes 16 --max-new-tokens 128 \
             --dtype float32 --threads 1 --device cpu --quiet --output "$OUT/$name.json" > "$OUT/$name.log" 2>&1 \
             || { tail -1 "$OUT/$name.log"; exit 1; }
     done

@@ -719,13 +719,17 @@ def test_train_all_on_cpu_with_tiny_budget(work, tmp_path):
     assert reloaded.dtype == torch.bfloat16 and reloaded.config.mask_token_id == MASK
 
 
+def free_port() -> str:
+    """A free local port for torchrun's rendezvous: other test runs may share the machine."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
 def test_torchrun_two_processes_gloo(work, tmp_path):
     out = tmp_path / "ddp"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    with socket.socket() as probe:  # a free port: other test runs may share the machine
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
            "-m", "dflash_hf", *train_argv(work, out, "--max-steps", "3", "--quiet", "--threads", "1")]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -746,11 +750,8 @@ def test_step_sync_sums_block_counts_over_ranks(tmp_path):
     script.write_text("import os, torch\nfrom dflash_hf.training.trainer import _any_and_sum\n"
                       "torch.distributed.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n"
                       "print(*_any_and_sum(rank == 1, 10 + rank, 2, torch.device('cpu')))\n")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             port, str(script)], env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                             free_port(), str(script)], env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["True", "21", "True", "21"]
@@ -1000,7 +1001,7 @@ def test_eval_names_a_missing_or_unfitting_drafter_folder(work, tmp_path, capsys
     base = ["eval", "--target", str(work / "target"), "--prompts", str(work / "prompts.jsonl"), "--quiet"]
     assert cli(base + ["--draft", str(tmp_path / "missing")]) == 1
     assert "has no config.json: pass a DFlash drafter folder" in capsys.readouterr().err.splitlines()[-1]
-    other = save_chat_drafter(tmp_path / "wide", work / "target", vocab_size=1000)
+    other = save_chat_drafter(tmp_path / "other-vocab", work / "target", vocab_size=1000)
     assert cli(base + ["--draft", str(other)]) == 1
     assert "does not fit the target" in capsys.readouterr().err.splitlines()[-1]
 

@@ -737,10 +737,6 @@ def test_torchrun_two_processes_gloo(work, tmp_path):
     assert (ckpt / "rng-rank0.pt").exists() and (ckpt / "rng-rank1.pt").exists()
     assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["world_size"] == 2
     assert (out / "final" / "model.safetensors").exists()
-    # both ranks finish with the same total: all ranks' blocks (test_step_sync_sums_block_counts_over_ranks)
-    summary = json.loads((out / "summary.json").read_text())
-    per_rank = [json.loads(line)["blocks"] for line in result.stdout.splitlines() if line.startswith('{"step"')]
-    assert len(per_rank) == 2 and summary["blocks"] == per_rank[0] == per_rank[1] > 0
 
 
 def test_step_sync_sums_block_counts_over_ranks(tmp_path):

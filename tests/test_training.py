@@ -743,14 +743,16 @@ def test_step_sync_sums_block_counts_over_ranks(tmp_path):
     """The per-step all-reduce tells every rank whether any ran out of time and sums the ranks' blocks (their draws
     differ in size), so the summary does not report rank 0's count times the world size."""
     script = tmp_path / "sync.py"
-    script.write_text("import os, torch\nfrom dflash_hf.training.trainer import _any_and_sum\n"
+    script.write_text("import os, sys, torch\nfrom dflash_hf.training.trainer import _any_and_sum\n"
                       "torch.distributed.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n"
-                      "print(*_any_and_sum(rank == 1, 10 + rank, 2, torch.device('cpu')))\n")
+                      "flag, blocks = _any_and_sum(rank == 1, 10 + rank, 2, torch.device('cpu'))\n"
+                      "open(f'{sys.argv[1]}/rank{rank}.txt', 'w').write(f'{flag} {blocks}')\n")
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             free_port(), str(script)], env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                             free_port(), str(script), str(tmp_path)], env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["True", "21", "True", "21"]
+    # each rank writes its own file: two ranks' prints interleave on one stdout
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == ["True 21", "True 21"]
 
 
 def test_features_stage_adds_what_distill_stores(work, tmp_path, monkeypatch):

@@ -746,7 +746,8 @@ def test_step_sync_sums_block_counts_over_ranks(tmp_path):
     script.write_text("import os, sys, torch\nfrom dflash_hf.training.trainer import _any_and_sum\n"
                       "torch.distributed.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n"
                       "flag, blocks = _any_and_sum(rank == 1, 10 + rank, 2, torch.device('cpu'))\n"
-                      "open(f'{sys.argv[1]}/rank{rank}.txt', 'w').write(f'{flag} {blocks}')\n")
+                      "open(f'{sys.argv[1]}/rank{rank}.txt', 'w').write(f'{flag} {blocks}')\n"
+                      "torch.distributed.destroy_process_group()\n")  # as the trainer does: else gloo may abort at exit
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                              free_port(), str(script), str(tmp_path)], env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
                             capture_output=True, text=True, timeout=120)

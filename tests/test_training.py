@@ -993,6 +993,16 @@ def test_eval_reads_every_prompt_unless_limited(work, tmp_path):
     assert main(argv + ["--limit", "3"])["num_prompts"] == 3
 
 
+def test_teacher_forced_eval_reads_every_sequence_unless_limited(work, tmp_path):
+    """``eval --data`` without --limit takes every distilled sequence (no None reaches a min()); with it, the first
+    ``limit``."""
+    draft = save_chat_drafter(tmp_path / "draft", work / "target")
+    argv = ["eval", "--target", str(work / "target"), "--draft", str(draft), "--data", str(work / "data"),
+            "--block-sizes", "2"]
+    assert main(argv)["num_sequences"] == len(ShardDataset(work / "data")) > 2
+    assert main(argv + ["--limit", "2"])["num_sequences"] == 2
+
+
 def test_eval_names_a_missing_or_unfitting_drafter_folder(work, tmp_path, capsys):
     """A missing drafter folder is named as one (not taken for a Hub repo id); a drafter for another target is refused."""
     from dflash_hf.cli import main as cli

@@ -132,7 +132,7 @@ def evaluate_teacher_forced(config: EvalConfig, target, draft) -> dict:
     from .distill import teacher_forced_features
 
     dataset = ShardDataset(config.data)
-    samples = [dataset[i] for i in range(min(config.limit or len(dataset), len(dataset)))]
+    samples = [dataset[i] for i in range(len(dataset))[: config.limit]]  # limit None: all
     layer_ids = list(draft.config.target_layer_ids)
     if not dataset.has_features or dataset.target_layer_ids != layer_ids:
         for sample in samples:

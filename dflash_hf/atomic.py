@@ -1,9 +1,12 @@
 """Writes that a killed process or a full disk cannot leave half done.
 
-Every output file or folder is written under a temporary sibling name ``.NAME.tmp-PID`` and renamed into place only
-when complete (``os.replace`` is atomic on one filesystem), so a file present under its final name is complete. A
-write that fails removes its temporary; one killed outright (``kill -9``, power loss) leaves it behind, and the next
-write of the same name removes it (temporaries of processes still alive are left alone). A full disk becomes an
+Every output file or folder is written under a temporary sibling name ``.NAME.tmp-PID`` (a file as
+``.NAME.tmp-PID/NAME``) and renamed into place only when complete (``os.replace`` is atomic on one filesystem), so a
+file present under its final name is complete. A file is written inside a temporary folder because libraries keep
+temporaries of their own beside the path they are given (safetensors writes ``.tmpXXXXXX`` and renames it): in our
+folder, they are tied to our pid and go with it. A write that fails removes its temporary; one killed outright
+(``kill -9``, power loss) leaves it behind, and the next write of the same name removes it (temporaries of processes
+still alive are left alone). A full disk becomes an
 ``OSError`` that says so, whatever library did the writing (safetensors and ``torch.save`` word it differently).
 """
 
@@ -86,17 +89,21 @@ def removed_on_error(tmp: Path, final: Path) -> Iterator[None]:
 @contextmanager
 def atomic_path(final, directory: bool = False) -> Iterator[Path]:
     """Yield a temporary path to write ``final`` (a file, or a folder when ``directory``) to; it replaces ``final``
-    when the block ends, and is removed when the block raises (a full disk raises `disk_full_error`)."""
+    when the block ends, and is removed when the block raises (a full disk raises `disk_full_error`).
+
+    The path yielded for a file is ``.NAME.tmp-PID/NAME``: whatever the writing library creates beside it stays in
+    that folder, which is removed with everything in it."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final.parent, final.name)
     tmp = temporary_name(final)
-    if directory:
-        tmp.mkdir()
+    tmp.mkdir()
+    written = tmp if directory else tmp / final.name
     with removed_on_error(tmp, final):
-        yield tmp
-        finish_modes(tmp)  # safetensors writes 0600: give the file the mode open() would have
-        replace(tmp, final)
+        yield written
+        finish_modes(written)  # safetensors writes 0600: give the file the mode open() would have
+        replace(written, final)
+        remove(tmp)  # a file's folder, with any temporary the writing library left in it
 
 
 __all__ = ["atomic_path", "disk_full_error", "is_disk_full", "remove", "remove_stale_temporaries", "removed_on_error",

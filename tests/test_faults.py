@@ -258,3 +258,26 @@ def test_atomic_writes_give_files_the_mode_the_umask_asks_for(tmp_path):
     finally:
         os.umask(previous)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_writing_librarys_own_temporary_goes_with_ours(tmp_path):
+    """safetensors' ``save_file`` writes a ``.tmpXXXXXX`` beside the path it is given, then renames it; a kill inside
+    that window left it in the shard folder, where no cleanup knew it. Written inside our pid's temporary folder, it
+    goes with that folder: when the write succeeds, when it raises, and when the next write finds a killed writer's."""
+    from dflash_hf.atomic import atomic_path
+
+    final = tmp_path / "shard-00000.safetensors"
+    with atomic_path(final) as tmp:
+        (tmp.parent / ".tmpAbC123").write_bytes(b"half")  # what the library keeps beside its file while writing
+        tmp.write_bytes(b"whole")
+    assert final.read_bytes() == b"whole" and temporaries(tmp_path) == []
+    with pytest.raises(RuntimeError), atomic_path(final) as tmp:
+        (tmp.parent / ".tmpAbC123").write_bytes(b"half")
+        raise RuntimeError("the writer failed")
+    assert final.read_bytes() == b"whole" and temporaries(tmp_path) == []
+    killed = tmp_path / f".{final.name}.tmp-4194399"  # beyond pid_max: its writer is gone
+    killed.mkdir()
+    (killed / ".tmpXyZ789").write_bytes(b"half")
+    with atomic_path(final) as tmp:
+        tmp.write_bytes(b"again")
+    assert final.read_bytes() == b"again" and temporaries(tmp_path) == []

@@ -737,6 +737,9 @@ def test_torchrun_two_processes_gloo(work, tmp_path):
     assert (ckpt / "rng-rank0.pt").exists() and (ckpt / "rng-rank1.pt").exists()
     assert torch.load(ckpt / "trainer_state.pt", weights_only=True)["world_size"] == 2
     assert (out / "final" / "model.safetensors").exists()
+    # the log's throughput counts every rank's blocks, as the summary does (not rank 0's times the world)
+    logged = [json.loads(line)["blocks"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert sum(logged) == json.loads((out / "summary.json").read_text())["blocks"] > 0
 
 
 def test_step_sync_sums_block_counts_over_ranks(tmp_path):

@@ -492,7 +492,7 @@ class MetricsWindow:
     block_size: int
     loss: float = 0.0
     steps: int = 0
-    blocks: int = 0
+    blocks: int = 0  # all ranks' blocks (summed each step), for the throughput
     started: float = field(default_factory=time.monotonic)
     correct: torch.Tensor = field(init=False)  # [B] correct drafts per block position
     count: torch.Tensor = field(init=False)  # [B] label rows per block position
@@ -503,7 +503,6 @@ class MetricsWindow:
     def add_micro_batch(self, stats: dict) -> None:
         self.correct += stats["correct"]
         self.count += stats["count"]
-        self.blocks += stats["blocks"]
 
 
 def train(config: TrainConfig) -> dict:
@@ -523,16 +522,16 @@ def train(config: TrainConfig) -> dict:
     while run.step < run.total_steps:
         epoch = run.step // run.steps_per_epoch
         loss, blocks = train_step(run, window)
-        window.loss, window.steps = window.loss + loss, window.steps + 1
+        out_of_time = bool(config.time_budget) and run.clock() > config.time_budget
+        # every rank's blocks, not rank 0's times the world: ranks' draws differ in size
+        out_of_time, blocks = _any_and_sum(out_of_time, blocks, run.world, run.device)
+        total_blocks += blocks
+        window.loss, window.steps, window.blocks = window.loss + loss, window.steps + 1, window.blocks + blocks
         bar.update(1)
         if run.rank == 0 and (run.step % config.log_every == 0 or run.step == run.total_steps):
             row = evaluate_window(run, window, epoch, start)
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
             window = MetricsWindow(config.block_size)
-        out_of_time = bool(config.time_budget) and run.clock() > config.time_budget
-        # every rank's blocks, not rank 0's times the world: ranks' draws differ in size
-        out_of_time, blocks = _any_and_sum(out_of_time, blocks, run.world, run.device)
-        total_blocks += blocks
         out_of_time = out_of_time or bool(config.stop_after and run.step >= config.stop_after)
         if run.step < run.total_steps and (out_of_time or (config.save_every and run.step % config.save_every == 0)):
             last_saved = checkpoint(run)
@@ -765,8 +764,9 @@ def evaluate_window(run: TrainingRun, window: MetricsWindow, epoch: int, start: 
         "acc": float(window.correct.sum() / window.count.sum().clamp(min=1)),
         "acc_per_position": (window.correct / window.count.clamp(min=1)).tolist()[1:],
         "lr": run.scheduler.get_last_lr()[0],
-        "blocks_per_s": window.blocks * run.world / max(elapsed, 1e-9),
-        "tokens_per_s": window.blocks * run.world * run.config.block_size / max(elapsed, 1e-9),
+        "blocks": window.blocks,
+        "blocks_per_s": window.blocks / max(elapsed, 1e-9),
+        "tokens_per_s": window.blocks * run.config.block_size / max(elapsed, 1e-9),
         "elapsed_s": time.monotonic() - start,
     }
     with run.log_path.open("a") as handle:

@@ -6,8 +6,8 @@ file present under its final name is complete. A file is written inside a tempor
 temporaries of their own beside the path they are given (safetensors writes ``.tmpXXXXXX`` and renames it): in our
 folder, they are tied to our pid and go with it. A write that fails removes its temporary; one killed outright
 (``kill -9``, power loss) leaves it behind, and the next write of the same name removes it (temporaries of processes
-still alive are left alone). A full disk becomes an
-``OSError`` that says so, whatever library did the writing (safetensors and ``torch.save`` word it differently).
+still alive are left alone). A full disk becomes an ``OSError`` that says so, whatever library did the writing
+(safetensors and ``torch.save`` word it differently).
 """
 
 import errno
@@ -103,7 +103,8 @@ def atomic_path(final, directory: bool = False) -> Iterator[Path]:
         yield written
         finish_modes(written)  # safetensors writes 0600: give the file the mode open() would have
         replace(written, final)
-        remove(tmp)  # a file's folder, with any temporary the writing library left in it
+        if not directory:  # a folder was renamed into place; a file leaves its folder, with the library's leftovers
+            remove(tmp)
 
 
 __all__ = ["atomic_path", "disk_full_error", "is_disk_full", "remove", "remove_stale_temporaries", "removed_on_error",

@@ -752,7 +752,8 @@ def test_step_sync_sums_block_counts_over_ranks(tmp_path):
                       "open(f'{sys.argv[1]}/rank{rank}.txt', 'w').write(f'{flag} {blocks}')\n"
                       "torch.distributed.destroy_process_group()\n")  # as the trainer does: else gloo may abort at exit
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             free_port(), str(script), str(tmp_path)], env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                             free_port(), str(script), str(tmp_path)],
+                            env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     # each rank writes its own file: two ranks' prints interleave on one stdout
